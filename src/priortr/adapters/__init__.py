@@ -1,0 +1,42 @@
+"""Model-family adapters, looked up by ``config.model_type``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.llava import LlavaAdapter
+from priortr.adapters.qwen2_vl import QwenVLAdapter
+
+_ADAPTERS: dict[str, FamilyAdapter] = {}
+
+
+def register_adapter(adapter: FamilyAdapter) -> FamilyAdapter:
+    """Make a family available to ``priortr.apply``; raises on a model type claimed twice."""
+    for model_type in adapter.model_types:
+        if model_type in _ADAPTERS:
+            raise ValueError(f"model type {model_type!r} already has adapter {_ADAPTERS[model_type].name!r}")
+        _ADAPTERS[model_type] = adapter
+    return adapter
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+def adapter_for(model: nn.Module) -> FamilyAdapter:
+    """The adapter of ``model``'s family, or a ValueError naming the supported families."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _ADAPTERS:
+        raise ValueError(
+            f"priortr does not support {type(model).__name__} (model_type={model_type!r}); supported "
+            f"model types: {', '.join(supported_model_types())}. Pass the *ForConditionalGeneration model."
+        )
+    return _ADAPTERS[model_type]
+
+
+register_adapter(LlavaAdapter())
+register_adapter(QwenVLAdapter())
+
+__all__ = ["FamilyAdapter", "adapter_for", "register_adapter", "supported_model_types"]

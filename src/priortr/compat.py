@@ -1,0 +1,82 @@
+"""Everything that depends on how a transformers release represents caches, masks and layer outputs.
+
+Supported: transformers 5.x (>= 5.17). Decoder layers return a tensor (a tuple in 4.x); caches are a
+list of per-layer objects with ``keys``/``values`` tensors [B, H_kv, S, d]; the mask each layer sees
+is ``None`` (implicit causal), a 2D padding mask (FlashAttention), a 4D mask, or a flex BlockMask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from priortr.surgery import gather_attention_mask
+
+PRUNABLE_CACHE_LAYERS = (DynamicLayer, StaticLayer)
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def cache_layers(cache: Any) -> list:
+    return list(cache.layers)
+
+
+def is_static_cache(cache: Any) -> bool:
+    """Whether the cache preallocates its slots (keys span ``max_cache_len`` in every layer call)."""
+    return cache is not None and any(isinstance(layer, StaticLayer) for layer in cache_layers(cache))
+
+
+def check_prunable_cache(cache: Any, layer: int) -> None:
+    """Refuse caches whose layers cannot be compacted (sliding windows, quantised or offloaded caches)."""
+    for index, cache_layer in enumerate(cache_layers(cache)[: layer + 1]):
+        if type(cache_layer) not in PRUNABLE_CACHE_LAYERS:
+            raise ValueError(
+                f"cache layer {index} is a {type(cache_layer).__name__}; priortr can prune only "
+                "DynamicCache and StaticCache layers (use cache_implementation='dynamic' or 'static')"
+            )
+
+
+def padding_mask(attention_mask: Any, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """[B, S] bool, False on padding, from whatever mask the multimodal model was called with."""
+    if isinstance(attention_mask, dict):
+        attention_mask = attention_mask.get("full_attention")
+    if attention_mask is None:
+        return torch.ones(batch, seq, dtype=torch.bool, device=device)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            f"unsupported attention mask type {type(attention_mask).__name__} for a pruned prefill"
+        )
+    if attention_mask.ndim == 2:
+        if attention_mask.shape[1] != seq:
+            raise ValueError(
+                f"the attention mask covers {attention_mask.shape[1]} tokens but the prompt has {seq}; "
+                "pruning happens on a prefill from an empty cache"
+            )
+        return attention_mask.bool().to(device)
+    if attention_mask.ndim == 4:
+        last_row = attention_mask[:, 0, -1, :seq]  # the last query sees every non-padding key
+        valid = last_row if last_row.dtype == torch.bool else last_row == 0
+        return valid.expand(batch, seq).to(device)
+    raise ValueError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
+
+
+def gather_layer_mask(mask: Any, index: torch.Tensor, seq: int, static_slots: bool) -> Any:
+    """The per-layer mask for layers after the prune (see ``surgery.gather_attention_mask``)."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"priortr cannot prune with a {type(mask).__name__} attention mask (flex attention); "
+            "load the model with attn_implementation='sdpa', 'eager' or 'flash_attention_2'"
+        )
+    return gather_attention_mask(mask, index, seq, static_slots)
+
+
+def map_hidden_states(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to a decoder layer's hidden-state output (a tensor, or a tuple's first item)."""
+    if isinstance(output, tuple):
+        return (fn(output[0]), *output[1:])
+    return fn(output)

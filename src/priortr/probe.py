@@ -1,0 +1,82 @@
+"""Attention rows at the scoring layer, recomputed from the layer's own projections.
+
+PriorTR needs, at decoder layer L, the attention of a handful of rows (the separator row for the prior
+Q and the instruction rows for the posterior P, paper Appendix A.3) over the visual tokens. Fused
+attention kernels (SDPA, FlashAttention) never materialise attention weights, and forcing eager
+attention would slow the whole prefill down. Instead the query rows and all keys that the layer
+already projected are captured, RoPE is applied to them as the layer does, and only the needed rows
+of softmax(q k^T) are computed, with the causal and padding masks applied explicitly: transformers
+passes ``attention_mask=None`` under SDPA when nothing is padded, so a mask read from the layer's
+arguments would let the separator row see the instruction (the defect of the authors' Qwen code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The standard RoPE rotation (Su et al., 2021) of the last dimension's two halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding with the (cos, sin) pair the decoder hands every layer.
+
+    Args:
+        x: [B, H, S, d] queries or keys.
+        cos, sin: [B or 1, S, d] as produced by the model's rotary module (M-RoPE sections are already
+            merged into them for Qwen-VL).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, d]
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Which rows to recompute and which keys each row may see.
+
+    Rows are the absolute positions ``first_row .. S-1`` of the prompt; every batch row shares
+    ``first_row`` (the earliest separator in the batch) and masks what it does not need.
+    """
+
+    first_row: int
+    key_valid: torch.Tensor  # [B, S] bool: False on padding
+
+
+def attention_rows(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    spec: RowSpec,
+    scaling: float,
+) -> torch.Tensor:
+    """Softmax attention of query rows ``first_row..S-1`` over all S keys, in at least float32.
+
+    Args:
+        queries: [B, H, R, d] post-RoPE queries of rows ``first_row .. first_row+R-1``.
+        keys: [B, H_kv, S, d] post-RoPE keys; grouped-query heads are shared by ``H // H_kv`` queries.
+        spec: the rows' first position and the keys' padding mask.
+        scaling: the layer's softmax scale (``head_dim ** -0.5`` for LLaMA and Qwen).
+
+    Returns:
+        [B, H, R, S] attention probabilities (float32, or float64 for a float64 model), with the
+        causal mask (row r sees keys <= r) and the padding mask applied before the softmax.
+    """
+    batch, heads, rows, dim = queries.shape
+    kv_heads, seq = keys.shape[1], keys.shape[2]
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    q = queries.to(dtype).view(batch, kv_heads, heads // kv_heads, rows, dim)  # [B, Hkv, G, R, d]
+    k = keys.to(dtype).unsqueeze(2)  # [B, Hkv, 1, S, d]
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G, R, S]
+    logits = logits.view(batch, heads, rows, seq)
+
+    row_pos = torch.arange(spec.first_row, spec.first_row + rows, device=keys.device)  # [R]
+    key_pos = torch.arange(seq, device=keys.device)  # [S]
+    visible = key_pos[None, :] <= row_pos[:, None]  # [R, S]
+    visible = visible[None, None] & spec.key_valid[:, None, None, :].to(keys.device)  # [B, 1, R, S]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    # A padded row sees no key at all; its probabilities are zero instead of NaN and are ignored later.
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)

@@ -1,0 +1,333 @@
+"""Token scoring and top-K selection for prior-corrected visual token reduction.
+
+Pure tensor functions, independent of any model library. The flow follows the paper
+(§3.4 "Prior-Corrected Token Reduction Procedure" and Appendix "PriorTR Implementation Details"):
+
+1. :func:`build_evidence` turns the raw attention at the pruning layer into three distributions over
+   the N visual tokens: the prior Q (separator row), the posterior P (instruction rows) and the
+   last-prompt-token row used by FastV.
+2. A named scoring rule from the registry (:func:`get_rule`) maps that evidence to per-token scores.
+3. :func:`resolve_budget` and :func:`select_top_k` turn the scores into the indices that are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+EPS: float = 1e-6
+"""Smoothing constant of the PriorTR score, ε = 1e-6 (Appendix, "Computing Scores")."""
+
+_HEAD_AGGREGATIONS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Per-image attention evidence at the scoring layer, float32, each row L1-normalised over visual tokens.
+
+    ``prior`` is Q (Eq. (3)), the separator token's row; ``posterior`` is P (Eq. (2)), the mean over
+    instruction rows; ``last`` is the last prompt token's row, FastV's ranking signal. ``seed`` feeds
+    the ``random`` baseline rule so that it is reproducible.
+    """
+
+    prior: torch.Tensor  # [B, N]  Q: separator row
+    posterior: torch.Tensor  # [B, N]  P: mean over instruction rows
+    last: torch.Tensor  # [B, N]  attention of the last prompt token (FastV's signal)
+    seed: int = 0  # for the `random` rule
+
+    def __post_init__(self) -> None:
+        """Reject evidence whose tensors disagree in shape or are not float32 [B, N]."""
+        fields = {"prior": self.prior, "posterior": self.posterior, "last": self.last}
+        for name, tensor in fields.items():
+            if tensor.ndim != 2:
+                raise ValueError(f"Evidence.{name} must be [B, N], got shape {tuple(tensor.shape)}")
+            if tensor.dtype != torch.float32:
+                raise ValueError(f"Evidence.{name} must be float32, got {tensor.dtype}")
+        shapes = {name: tuple(tensor.shape) for name, tensor in fields.items()}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"Evidence tensors must share one shape [B, N], got {shapes}")
+
+
+def aggregate_heads(attn: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    """Collapse the head axis (second to last) of attention weights: ``[..., H, N] -> [..., N]``.
+
+    The paper aggregates attention across heads before normalising (Appendix, Agg_h); ``mean`` is the
+    default and ``max`` keeps a token that any single head attends to strongly.
+    """
+    if how == "mean":
+        return attn.mean(dim=-2)
+    if how == "max":
+        return attn.amax(dim=-2)
+    raise ValueError(f"unknown head aggregation {how!r}; options: {', '.join(_HEAD_AGGREGATIONS)}")
+
+
+def l1_normalise(x: torch.Tensor) -> torch.Tensor:
+    """Divide each row (last dim) by its sum, returning float32 categorical distributions.
+
+    Raw attention over the visual tokens does not sum to one (the rest goes to text tokens), so P and Q
+    are L1-normalised to be comparable (Appendix, "Computing Scores"). A row with no positive finite
+    mass carries no ranking information; it raises instead of silently becoming uniform.
+    """
+    x = x.float()
+    total = x.sum(dim=-1, keepdim=True)  # [..., 1]
+    bad = ~(torch.isfinite(total) & (total > 0))
+    if bad.any():
+        raise ValueError(
+            f"cannot L1-normalise {int(bad.sum())} row(s) whose sum is zero, negative or not finite"
+        )
+    return x / total
+
+
+def _masked_row_mean(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Average ``rows`` [B, R, N] over the rows flagged in ``valid`` [B, R], ignoring the others entirely.
+
+    ``torch.where`` (not multiplication by the mask) keeps inf/NaN in invalid rows, e.g. padding, out of
+    the result.
+    """
+    kept = torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype))  # [B, R, N]
+    count = valid.sum(dim=-1, keepdim=True).to(rows.dtype)  # [B, 1]
+    return kept.sum(dim=-2) / count  # [B, N]
+
+
+def _check_evidence_inputs(
+    prior_attn: torch.Tensor,
+    posterior_attn: torch.Tensor,
+    posterior_valid: torch.Tensor,
+    last_attn: torch.Tensor,
+) -> None:
+    """Validate the shapes of :func:`build_evidence`'s inputs and that every image has an instruction row."""
+    if prior_attn.ndim != 3:
+        raise ValueError(f"prior_attn must be [B, H, N], got shape {tuple(prior_attn.shape)}")
+    batch, heads, n_visual = prior_attn.shape
+    if tuple(last_attn.shape) != (batch, heads, n_visual):
+        raise ValueError(
+            f"last_attn must be [B, H, N] = {(batch, heads, n_visual)}, got {tuple(last_attn.shape)}"
+        )
+    if posterior_attn.ndim != 4 or tuple(posterior_attn.shape[:2]) != (batch, heads):
+        raise ValueError(
+            f"posterior_attn must be [B, H, R, N] with B, H = {(batch, heads)}, "
+            f"got {tuple(posterior_attn.shape)}"
+        )
+    if posterior_attn.shape[-1] != n_visual:
+        raise ValueError(
+            f"posterior_attn has {posterior_attn.shape[-1]} visual tokens, prior_attn has {n_visual}"
+        )
+    n_rows = posterior_attn.shape[2]
+    if posterior_valid.dtype != torch.bool or tuple(posterior_valid.shape) != (batch, n_rows):
+        raise ValueError(
+            f"posterior_valid must be a bool tensor [B, R] = {(batch, n_rows)}, "
+            f"got {posterior_valid.dtype} {tuple(posterior_valid.shape)}"
+        )
+    empty = ~posterior_valid.any(dim=-1)  # [B]
+    if empty.any():
+        raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no valid instruction row")
+
+
+def build_evidence(
+    prior_attn: torch.Tensor,
+    posterior_attn: torch.Tensor,
+    posterior_valid: torch.Tensor,
+    last_attn: torch.Tensor,
+    heads: str = "mean",
+    seed: int = 0,
+) -> Evidence:
+    """Turn layer-L attention over the visual tokens into normalised prior, posterior and FastV rows.
+
+    Following the Appendix ("Extracting Q and P"): Q is the separator token's row, P averages the rows of
+    the instruction tokens, and both are aggregated over heads and L1-normalised. ``posterior_valid``
+    marks which of the R instruction rows belong to each image, so images with prompts of different
+    length can share one padded tensor.
+
+    Args:
+        prior_attn: [B, H, N] separator row.
+        posterior_attn: [B, H, R, N] instruction rows.
+        posterior_valid: bool [B, R]; each image needs at least one True.
+        last_attn: [B, H, N] last prompt token row.
+        heads: head aggregation, see :func:`aggregate_heads`.
+        seed: seed for the ``random`` rule.
+    """
+    _check_evidence_inputs(prior_attn, posterior_attn, posterior_valid, last_attn)
+    # Cast before any arithmetic: the model may run in fp16/bf16, whose sums lose precision.
+    prior_attn, posterior_attn, last_attn = prior_attn.float(), posterior_attn.float(), last_attn.float()
+    prior = aggregate_heads(prior_attn, heads)  # [B, N]
+    rows = aggregate_heads(posterior_attn.transpose(1, 2), heads)  # [B, R, N]
+    posterior = _masked_row_mean(rows, posterior_valid)  # [B, N]
+    last = aggregate_heads(last_attn, heads)  # [B, N]
+    return Evidence(
+        prior=l1_normalise(prior),
+        posterior=l1_normalise(posterior),
+        last=l1_normalise(last),
+        seed=seed,
+    )
+
+
+Rule = Callable[[Evidence], torch.Tensor]
+"""A scoring rule: evidence -> scores [B, N] float32, higher = keep."""
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """A registered scoring rule with a one-line summary and the paper it comes from."""
+
+    name: str
+    fn: Rule
+    summary: str
+    source: str
+
+
+_RULES: dict[str, RuleInfo] = {}
+
+
+def register_rule(name: str, *, summary: str, source: str) -> Callable[[Rule], Rule]:
+    """Decorator adding a scoring rule to the registry under ``name``; a duplicate name raises ValueError."""
+
+    def decorator(fn: Rule) -> Rule:
+        if name in _RULES:
+            raise ValueError(f"scoring rule {name!r} is already registered")
+        _RULES[name] = RuleInfo(name=name, fn=fn, summary=summary, source=source)
+        return fn
+
+    return decorator
+
+
+def get_rule(name: str) -> RuleInfo:
+    """Look up a registered scoring rule by name; an unknown name raises ValueError listing the options."""
+    try:
+        return _RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_rules())}") from None
+
+
+def available_rules() -> list[str]:
+    """Names of all registered scoring rules, sorted."""
+    return sorted(_RULES)
+
+
+@register_rule(
+    "priortr",
+    summary="P * log((P + eps) / (Q + eps)): posterior mass times lift over the prior",
+    source="PriorTR, Eq. (8) and Appendix 'Computing Scores'",
+)
+def _score_priortr(evidence: Evidence) -> torch.Tensor:
+    """Per-token contribution to the masked usable information (Eq. (7)), smoothed with ε."""
+    p, q = evidence.posterior, evidence.prior  # [B, N]
+    return p * torch.log((p + EPS) / (q + EPS))
+
+
+@register_rule(
+    "prior", summary="Q: separator-token attention (model-induced prior)", source="PriorTR, Eq. (3)"
+)
+def _score_prior(evidence: Evidence) -> torch.Tensor:
+    """Rank by the instruction-agnostic prior alone (Sec. 4.3 scoring-function ablation)."""
+    return evidence.prior
+
+
+@register_rule(
+    "posterior", summary="P: instruction-token attention (raw attention ranking)", source="PriorTR, Eq. (2)"
+)
+def _score_posterior(evidence: Evidence) -> torch.Tensor:
+    """Rank by the posterior magnitude, the baseline score that prior-dominated masking affects."""
+    return evidence.posterior
+
+
+@register_rule(
+    "diff", summary="P - Q: posterior minus prior", source="PriorTR, Sec. 4.3 scoring-function ablation"
+)
+def _score_diff(evidence: Evidence) -> torch.Tensor:
+    """Subtract the prior baseline from the posterior (ablation)."""
+    return evidence.posterior - evidence.prior
+
+
+@register_rule(
+    "logratio",
+    summary="log((P + eps) / (Q + eps)): pointwise lift only",
+    source="PriorTR, Eq. (6) (PVI); Sec. 4.3 scoring-function ablation",
+)
+def _score_logratio(evidence: Evidence) -> torch.Tensor:
+    """Rank by the pointwise V-information (semantic lift) without the posterior weight (ablation)."""
+    p, q = evidence.posterior, evidence.prior  # [B, N]
+    return torch.log((p + EPS) / (q + EPS))
+
+
+@register_rule(
+    "entropy", summary="P log P - Q log Q (0 log 0 = 0)", source="PriorTR, Sec. 4.3 scoring-function ablation"
+)
+def _score_entropy(evidence: Evidence) -> torch.Tensor:
+    """Difference of per-token entropy terms (ablation); ``xlogy`` makes a zero mass contribute zero."""
+    p, q = evidence.posterior, evidence.prior  # [B, N]
+    return torch.xlogy(p, p) - torch.xlogy(q, q)
+
+
+@register_rule("fastv", summary="attention of the last prompt token", source="FastV, Chen et al., ECCV 2024")
+def _score_fastv(evidence: Evidence) -> torch.Tensor:
+    """FastV's ranking signal: the last prompt token's head-aggregated attention."""
+    return evidence.last
+
+
+@register_rule(
+    "random",
+    summary="uniform random scores from a generator seeded with evidence.seed",
+    source="random-pruning baseline (control)",
+)
+def _score_random(evidence: Evidence) -> torch.Tensor:
+    """Seeded uniform scores: reproducible for a seed and blind to the attention values."""
+    generator = torch.Generator().manual_seed(evidence.seed)
+    scores = torch.rand(evidence.prior.shape, generator=generator, dtype=torch.float32)  # [B, N]
+    return scores.to(evidence.prior.device)
+
+
+def resolve_budget(budget: int | float, n_visual: int) -> int:
+    """Turn a budget into a token count K with 1 <= K <= n_visual.
+
+    An int is an absolute count K (capped at ``n_visual``); a float in (0, 1) is a keep ratio rounded half
+    up, with at least one token kept. Anything else is rejected with a message saying what to pass.
+    """
+    if isinstance(n_visual, bool) or not isinstance(n_visual, int) or n_visual < 1:
+        raise ValueError(f"n_visual must be an int >= 1, got {n_visual!r}")
+    if isinstance(budget, bool):
+        raise ValueError(
+            f"budget must not be a bool ({budget!r}); pass an int for a token count, or a ratio in (0, 1)"
+        )
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be a positive token count, got {budget}; pass an int >= 1")
+        return min(budget, n_visual)
+    if isinstance(budget, float):
+        if math.isnan(budget):
+            raise ValueError("budget is NaN; pass an int for a token count, or a ratio in (0, 1)")
+        if not 0.0 < budget < 1.0:
+            raise ValueError(
+                f"float budget {budget!r} is not a ratio; pass an int for a token count, or a ratio in (0, 1)"
+            )
+        return max(1, math.floor(budget * n_visual + 0.5))
+    raise ValueError(
+        f"budget must be int or float, got {type(budget).__name__}; "
+        "pass an int for a token count, or a ratio in (0, 1)"
+    )
+
+
+def select_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the K highest scores per row, returned in ascending (original sequence) order.
+
+    A stable descending sort makes ties deterministic: among equal scores the lower index wins.
+    Ascending output keeps the retained visual tokens in their original positional order.
+
+    Args:
+        scores: [B, N], higher = keep; NaN is rejected.
+        k: number kept per row, 1 <= k <= N.
+
+    Returns:
+        LongTensor [B, k].
+    """
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be [B, N], got shape {tuple(scores.shape)}")
+    n_visual = scores.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_visual:
+        raise ValueError(f"k must be an int with 1 <= k <= N = {n_visual}, got {k!r}")
+    if torch.isnan(scores).any():
+        raise ValueError("scores contain NaN; cannot rank visual tokens")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, N]
+    return order[:, :k].sort(dim=-1).values  # [B, k]

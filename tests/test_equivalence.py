@@ -1,0 +1,234 @@
+"""Physical pruning equals the masked reference (tests/oracle.py) on every kept position, in float64.
+
+Each comparison is paired with a control showing it can fail: the unpruned model, renumbered RoPE
+and an unpruned cache of layers 0..L all give different numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import priortr
+from priortr.engine import PruningEngine
+from tests.oracle import masked_reference
+from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl
+
+LAYER, BUDGET, NEW_TOKENS = 1, 5, 6
+
+
+def _qwen_batch(model, batch_size: int) -> Batch:
+    return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))  # 12 visual tokens
+
+
+FAMILIES = {
+    "llava": (tiny_llava, llava_batch),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch),
+    "qwen2-vl": (tiny_qwen2_vl, _qwen_batch),
+}
+
+
+def setup(family: str, batch_size: int) -> tuple[torch.nn.Module, Batch]:
+    build, make_batch = FAMILIES[family]
+    model = build()
+    return model, make_batch(model, batch_size=batch_size)
+
+
+def pruned_columns(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
+    """[B, S] True on visual columns that were not kept."""
+    pruned = batch.visual_mask().clone()
+    pruned.scatter_(1, kept, False)
+    return pruned
+
+
+def kept_logits(
+    logits: torch.Tensor, positions: torch.Tensor, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [B, S, V] at ``positions`` [B, S'], and which of those are real (non-padding) tokens."""
+    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    return picked, batch.attention_mask.gather(1, positions).bool()
+
+
+def generate(model, batch: Batch, **kwargs):
+    return model.generate(
+        **batch.kwargs(), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, **kwargs
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_prefill_logits_match_masked_reference(family, batch_size):
+    model, batch = setup(family, batch_size)
+    with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits  # [B, S', V]
+    result = handle.last
+    assert result.kept.shape == (batch_size, BUDGET)
+    assert logits.shape[1] == batch.seq_len - batch.n_visual + BUDGET
+    with (
+        masked_reference(model, LAYER, pruned_columns(batch, result.kept), batch.attention_mask),
+        torch.no_grad(),
+    ):
+        reference = model(**batch.kwargs()).logits
+    expected, real = kept_logits(reference, result.positions, batch)
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-10, rtol=0)
+
+    with torch.no_grad():
+        stock, _ = kept_logits(model(**batch.kwargs()).logits, result.positions, batch)
+    assert (stock[real] - logits[real]).abs().max() > 1e-6, "the unpruned model must differ"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_matches_masked_reference(family, batch_size, cache):
+    model, batch = setup(family, batch_size)
+    options = {"cache_implementation": cache, "output_logits": True, "return_dict_in_generate": True}
+    with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
+        out = generate(model, batch, **options)
+    with masked_reference(model, LAYER, pruned_columns(batch, handle.last.kept), batch.attention_mask):
+        ref = generate(model, batch, **options)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
+    stock = generate(model, batch, **options)
+    assert not torch.allclose(torch.stack(stock.logits), torch.stack(out.logits), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_kv_cache_holds_text_plus_budget(family, cache):
+    model, batch = setup(family, 2)
+    with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
+        out = model.generate(
+            **batch.kwargs(),
+            max_new_tokens=1,
+            do_sample=False,
+            return_dict_in_generate=True,
+            cache_implementation=cache,
+        )
+    expected = batch.seq_len - batch.n_visual + BUDGET
+    cache_obj = out.past_key_values
+    assert int(cache_obj.get_seq_length()) == expected
+    for layer in cache_obj.layers:
+        filled = layer.keys[:, :, :expected]
+        assert filled.abs().sum(dim=(0, 1, 3)).ne(0).all()
+        if cache == "dynamic":
+            assert layer.keys.shape[2] == expected and layer.values.shape[2] == expected
+        else:
+            assert layer.keys[:, :, expected:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_budget_and_remove_are_bit_identical(family):
+    model, batch = setup(family, 2)
+    with torch.no_grad():
+        stock_logits = model(**batch.kwargs()).logits
+    stock_tokens = generate(model, batch)
+    with priortr.apply(model, budget=batch.n_visual, layer=LAYER) as handle, torch.no_grad():
+        assert torch.equal(model(**batch.kwargs()).logits, stock_logits)
+        assert not handle.last.pruned
+        assert torch.equal(generate(model, batch), stock_tokens)
+    handle = priortr.apply(model, budget=2, layer=LAYER)
+    assert not torch.equal(generate(model, batch), stock_tokens)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(**batch.kwargs()).logits, stock_logits)
+    assert torch.equal(generate(model, batch), stock_tokens)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2.5-vl"])
+@pytest.mark.parametrize("new_tokens_only", [False, True])
+def test_second_turn_on_pruned_cache_matches_masked_reference(family, new_tokens_only):
+    """Turn 1 prunes; turn 2 continues on the pruned cache (paper Appendix E)."""
+    model, batch = setup(family, 2)
+    gen = torch.Generator().manual_seed(7)
+    with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
+        first = generate(model, batch, return_dict_in_generate=True)
+        question = torch.randint(3, 150, (batch.batch_size, 4), generator=gen)
+        history = torch.cat([first.sequences, question], dim=1)
+        mask = torch.cat([batch.attention_mask, torch.ones_like(history[:, batch.seq_len :])], dim=1)
+        turn = _turn(batch, history, mask)
+        if new_tokens_only:
+            # generate() takes only the unseen tokens when the mask spans the whole conversation.
+            turn.input_ids = history[:, first.sequences.shape[1] - 1 :]
+        inputs = {
+            key: value for key, value in turn.kwargs().items() if key != "pixel_values"
+        }  # cached already
+        second = model.generate(
+            **inputs,
+            past_key_values=first.past_key_values,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    kept = handle.last.kept
+    with masked_reference(model, LAYER, pruned_columns(batch, kept), batch.attention_mask):
+        reference = model.generate(
+            **_turn(batch, history, mask).kwargs(),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    assert torch.equal(second[:, -NEW_TOKENS:], reference[:, -NEW_TOKENS:])
+    stock = model.generate(
+        **_turn(batch, history, mask).kwargs(),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert stock.sequences.shape == reference.shape
+
+
+def _turn(batch: Batch, history: torch.Tensor, mask: torch.Tensor) -> Batch:
+    """The whole conversation as one prompt, with the first turn's image."""
+    extra = history.shape[1] - batch.seq_len
+    mm = batch.mm_token_type_ids
+    return Batch(
+        history,
+        mask,
+        batch.pixel_values,
+        batch.image_start,
+        batch.image_end,
+        batch.n_visual,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros(mm.shape[0], extra)], dim=1),
+    )
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2.5-vl"])
+def test_negative_controls_are_caught(family, monkeypatch):
+    model, batch = setup(family, 1)
+    with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
+        good = generate(model, batch, output_logits=True, return_dict_in_generate=True)
+    pruned = pruned_columns(batch, handle.last.kept)
+    with masked_reference(model, LAYER, pruned, batch.attention_mask):
+        ref = generate(model, batch, output_logits=True, return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(good.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
+
+    original = PruningEngine._on_pruned_layer_call
+
+    def renumbered(self, module, args, kwargs):
+        """Negative control: layers after L get positions 0..S'-1 instead of the kept tokens' own."""
+        full = kwargs["position_embeddings"]
+        out = original(self, module, args, kwargs)
+        if out is not None and full[0].shape[1] == batch.seq_len:
+            n = out[1]["position_embeddings"][0].shape[1]
+            out[1]["position_embeddings"] = (full[0][:, :n], full[1][:, :n])
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PruningEngine, "_on_pruned_layer_call", renumbered)
+        with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
+            bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)
+    assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6
+
+    with monkeypatch.context() as patch:
+        patch.setattr("priortr.engine.compact_cache_layer", lambda layer, index, seq, static: None)
+        with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
+            try:
+                bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)
+            except (RuntimeError, ValueError, IndexError):
+                bad = None  # a shape error is also a caught defect
+    if bad is not None:
+        assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6
