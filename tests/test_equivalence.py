@@ -232,3 +232,18 @@ def test_negative_controls_are_caught(family, monkeypatch):
                 bad = None  # a shape error is also a caught defect
     if bad is not None:
         assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_score_in_float32(dtype):
+    model = tiny_llava(dtype=dtype)
+    batch = llava_batch(model, batch_size=2)
+    with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
+        out = model.generate(
+            **batch.kwargs(), max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+        )
+    result = handle.last
+    assert result.scores.dtype == result.prior.dtype == torch.float32
+    assert result.kept.shape == (2, BUDGET)
+    assert bool((result.kept[:, 1:] > result.kept[:, :-1]).all())
+    assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + BUDGET + 1

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,6 +117,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flops(args: argparse.Namespace) -> int:
+    """Analytic FLOPs (the paper's protocol, Appendix "Efficiency Analysis") of vanilla and each method."""
+    from priortr import flops
+
+    if args.paper:
+        result = flops.paper_reproduction()
+        print(json.dumps(result) if args.json else flops.format_paper_table(result))
+        return 0
+    report = flops.flops_report(
+        args.model,
+        args.budgets,
+        methods=args.methods,
+        layer=args.layer,
+        text_tokens=args.text_tokens,
+        decode_steps=args.decode_steps,
+        image_tokens=args.image_tokens,
+        exact=args.exact,
+    )
+    print(json.dumps(report) if args.json else flops.format_table(report))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Measure prefill, KV cache and throughput for vanilla and each method x budget x batch size."""
+    from tqdm import tqdm
+
+    from priortr import bench
+
+    device = torch.device(args.device)
+    model = bench.build_model(
+        args.model, device, DTYPES[args.dtype], args.layers, args.vision_layers, args.attn
+    )
+    methods = args.methods or [bench.VANILLA, *priortr.available_methods()]
+    report = bench.run_bench(
+        model,
+        methods,
+        args.budgets,
+        args.batch_sizes,
+        layer=args.layer,
+        text_tokens=args.text_tokens,
+        new_tokens=args.new_tokens,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        decode_repeats=args.decode_repeats,
+        progress=lambda cases: tqdm(cases, desc="bench", unit="config", file=sys.stderr),
+        meta={"model": args.model, "command": "priortr " + " ".join(args.argv)},
+    )
+    report.meta["peak_rss_bytes"] = bench.peak_rss_bytes()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    document = report.to_json()
+    (out / "bench.json").write_text(json.dumps(document, indent=2))
+    (out / "bench.md").write_text(bench.format_markdown(report))
+    bench.plot(report, out / "bench.png")
+    print(json.dumps(document) if args.json else bench.format_markdown(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one sub-parser per command, each dispatching to its ``cmd_*`` function."""
     parser = argparse.ArgumentParser(prog="priortr", description="Prior-corrected visual token pruning.")
@@ -135,11 +195,53 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
+
+    fl = commands.add_parser("flops", help="analytic FLOPs per term", description=cmd_flops.__doc__)
+    fl.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
+    fl.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64])
+    fl.add_argument("--methods", nargs="+", default=["priortr"], help="priortr, fastv or pdrop")
+    fl.add_argument("--layer", type=int, default=2, help="0-indexed decoder layer whose attention is scored")
+    fl.add_argument("--text-tokens", type=int, default=48)
+    fl.add_argument("--decode-steps", type=int, default=63)
+    fl.add_argument("--image-tokens", type=int, help="visual tokens per image (default: the model's)")
+    fl.add_argument("--exact", action="store_true", help="count grouped-query K/V projections exactly")
+    fl.add_argument("--paper", action="store_true", help="reproduce the paper's FLOPs column instead")
+    fl.add_argument("--json", action="store_true", help="print one JSON document")
+    fl.set_defaults(func=cmd_flops)
+
+    bench = commands.add_parser(
+        "bench", help="measure prefill, KV cache and throughput", description=cmd_bench.__doc__
+    )
+    bench.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
+    bench.add_argument("--layers", type=int, help="cut the language model to this many decoder layers")
+    bench.add_argument("--vision-layers", type=int, help="cut the vision tower to this many layers")
+    bench.add_argument("--methods", nargs="+", help="default: vanilla and every method")
+    bench.add_argument("--budgets", type=int, nargs="+", default=[192, 128, 64])
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    bench.add_argument(
+        "--layer", type=int, default=2, help="0-indexed decoder layer whose attention is scored"
+    )
+    bench.add_argument("--text-tokens", type=int, default=48, help="text tokens around the image")
+    bench.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sample")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=10, help="timed prefill runs per configuration")
+    bench.add_argument(
+        "--decode-repeats", type=int, default=3, help="timed generate() runs per configuration"
+    )
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
+    )
+    bench.add_argument("--attn", default="sdpa", help="attention implementation")
+    bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
+    bench.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; return 0, or 2 after printing ``priortr: error: ...`` for bad input."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (already printed)
@@ -147,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     log.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     log.info("arguments: %s", {k: v for k, v in vars(args).items() if k != "func"})
+    args.argv = argv
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:

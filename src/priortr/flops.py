@@ -1,0 +1,748 @@
+"""Analytic FLOPs and KV-cache size of multimodal inference with visual-token pruning.
+
+The protocol is the paper's (PriorTR, Appendix "Efficiency Analysis", "FLOPs computation"), which
+follows FastV (Chen et al., ECCV 2024). Per LLaMA-style decoder layer, for P tokens,
+
+    F(P) = 8 P D^2 + 2 P^2 D + 6 P D H                      (Q/K/V/O projections, attention, SwiGLU MLP)
+
+with D the hidden size and H the MLP's intermediate size, and for a method that prunes the visual
+tokens to K after the first L layers,
+
+    FLOPs_LLM = L * F(P) + (T - L) * F(P_text + K)           (T decoder layers)
+
+Totals "further include the ViT encoder, projector, autoregressive decode, and LM head", each
+counted here in the same style (matrix multiplications only; norms, activations, softmax, RoPE and
+residual additions are left out, as in FastV):
+
+- ViT: the same layer formula with the tower's own D and H; a two-matrix GELU MLP is 4 P D H (CLIP,
+  Qwen2-VL), a SwiGLU MLP 6 P D H (Qwen2.5-VL), windowed blocks attend within their window; plus the
+  patch embedding (a matmul over each patch's pixels). Every layer the stock model runs is counted
+  (transformers runs all CLIP layers even though LLaVA reads the penultimate one).
+- projector: LLaVA's two-layer MLP, 2 N (Dv D + D D); Qwen's patch merger, 2 N ((4 Dv)^2 + 4 Dv D).
+- decode: each decode step runs one new token through every layer: the linear terms for one token
+  plus attention over that layer's cache (prompt tokens kept in the cache + the steps so far).
+- LM head: 2 D V per row of logits. ``generate()`` asks the prefill for the last position's logits
+  only (``logits_to_keep=1``), so the prefill contributes one row and every decode step one row.
+
+Layer convention. In this package ``layer`` is the 0-indexed decoder layer whose attention is
+scored: layers ``0 .. layer`` run on all tokens and layers ``layer+1 ..`` on text + K, so the
+paper's L ("full layers", ``full_layers`` here) is ``layer + 1``; ``layer=2`` means L = 3. FastV's
+``K=2`` means two full layers (L = 2), as does the paper's Eq. with L = 2. The engine prunes the KV
+cache of layers ``0 .. layer`` as well, so every layer caches text + K tokens after a pruned prefill.
+
+``exact=True`` replaces the paper's formula, which assumes multi-head attention and counts one
+P x P x D product (or both in multiply-accumulates), by an exact count at 2 FLOPs per
+multiply-accumulate: Q and O projections 4 P D A, K and V projections 4 P D D_kv (D_kv = KV heads x
+head size, so grouped-query models such as Qwen2.5-VL are not over-counted), attention 4 P P_k A
+(scores and weighted sum; A = heads x head size), MLP 2 m P D H (m = 3 for SwiGLU, 2 for GELU).
+Prefill attention is counted over the full P x P square in both modes (dense kernels compute it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from priortr.configs import load_config
+from priortr.scoring import resolve_budget
+
+TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
+METHODS: tuple[str, ...] = ("priortr", "fastv", "pdrop")
+DEFAULT_BUDGETS: tuple[int, ...] = (192, 128, 64)
+DEFAULT_TEXT_TOKENS = 48
+DEFAULT_DECODE_STEPS = 63
+DEFAULT_LAYER = 2
+DYNAMIC_IMAGE_TOKENS = 576  # Qwen-VL default: a 672 x 672 image = 48 x 48 patches = 24 x 24 merged tokens
+
+
+# -- shapes read from a transformers config -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """Shape of the language model (decoder layers and LM head)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    mlp_matrices: int = 3  # SwiGLU: gate, up, down
+
+    @property
+    def attn_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Shape of the vision tower and projector; token counts are per image."""
+
+    family: str  # "clip" (LLaVA), "qwen2_vl", "qwen2_5_vl"
+    hidden: int
+    intermediate: int
+    layers: int
+    patch_pixels: int  # inputs of one patch: channels x temporal patch x patch size^2
+    mlp_matrices: int  # 2 for a GELU MLP, 3 for SwiGLU
+    merge: int = 1  # patches merged into one LLM token per side (Qwen: 2, i.e. 4 patches per token)
+    cls_token: bool = False  # CLIP prepends a class token to the patches
+    drops_first: bool = False  # LLaVA's "default" feature strategy drops the class token
+    fixed_patches: int | None = None  # fixed-resolution towers: patches per image
+    window_tokens: int | None = None  # windowed attention: patches per window
+    full_attention_layers: frozenset[int] = field(default_factory=frozenset)
+
+    def llm_tokens(self, patches: int) -> int:
+        """Visual tokens the language model receives for ``patches`` patches."""
+        tokens = patches + self.cls_token - self.drops_first
+        return tokens // (self.merge * self.merge)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the FLOPs count needs from a multimodal config."""
+
+    model_type: str
+    text: TextShape
+    vision: VisionShape
+
+    @property
+    def default_image_tokens(self) -> int:
+        if self.vision.fixed_patches is not None:
+            return self.vision.llm_tokens(self.vision.fixed_patches)
+        return DYNAMIC_IMAGE_TOKENS
+
+    def patches_for(self, image_tokens: int) -> int:
+        """Patches the vision tower encodes to give ``image_tokens`` LLM tokens."""
+        if self.vision.fixed_patches is not None:
+            if image_tokens != self.default_image_tokens:
+                raise ValueError(
+                    f"{self.model_type} encodes a fixed {self.default_image_tokens} visual tokens per image, "
+                    f"not {image_tokens}"
+                )
+            return self.vision.fixed_patches
+        return image_tokens * self.vision.merge * self.vision.merge
+
+
+def text_shape(config: PretrainedConfig) -> TextShape:
+    """The language model's shape (``config.get_text_config()``)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return TextShape(
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab=text.vocab_size,
+    )
+
+
+def _clip_like(config: PretrainedConfig) -> VisionShape:
+    vision = config.vision_config
+    grid = vision.image_size // vision.patch_size
+    cls = vision.model_type == "clip_vision_model"
+    return VisionShape(
+        family="clip",
+        hidden=vision.hidden_size,
+        intermediate=vision.intermediate_size,
+        layers=vision.num_hidden_layers,
+        patch_pixels=getattr(vision, "num_channels", 3) * vision.patch_size**2,
+        mlp_matrices=2,
+        cls_token=cls,
+        drops_first=getattr(config, "vision_feature_select_strategy", "default") == "default",
+        fixed_patches=grid * grid,
+    )
+
+
+def _qwen2_vl(config: PretrainedConfig) -> VisionShape:
+    vision = config.vision_config
+    return VisionShape(
+        family="qwen2_vl",
+        hidden=vision.embed_dim,
+        intermediate=int(vision.embed_dim * vision.mlp_ratio),
+        layers=vision.depth,
+        patch_pixels=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        mlp_matrices=2,
+        merge=vision.spatial_merge_size,
+    )
+
+
+def _qwen2_5_vl(config: PretrainedConfig) -> VisionShape:
+    vision = config.vision_config
+    window = (vision.window_size // vision.patch_size) ** 2
+    return VisionShape(
+        family="qwen2_5_vl",
+        hidden=vision.hidden_size,
+        intermediate=vision.intermediate_size,
+        layers=vision.depth,
+        patch_pixels=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        mlp_matrices=3,
+        merge=vision.spatial_merge_size,
+        window_tokens=window,
+        full_attention_layers=frozenset(vision.fullatt_block_indexes),
+    )
+
+
+VISION_READERS = {"llava": _clip_like, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+
+
+def model_shape(config: PretrainedConfig | str) -> ModelShape:
+    """Shapes of a LLaVA, Qwen2-VL or Qwen2.5-VL config (or of a name/path ``load_config`` accepts)."""
+    if isinstance(config, str):
+        config = load_config(config)
+    reader = VISION_READERS.get(config.model_type)
+    if reader is None:
+        raise ValueError(
+            f"no FLOPs model for model_type {config.model_type!r}; supported: {', '.join(VISION_READERS)}"
+        )
+    return ModelShape(config.model_type, text_shape(config), reader(config))
+
+
+# -- per-layer formulas ------------------------------------------------------------------------------
+
+
+def layer_flops(
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    keys: int | None = None,
+    attn_dim: int | None = None,
+    kv_dim: int | None = None,
+    mlp_matrices: int = 3,
+    exact: bool = False,
+) -> int:
+    """FLOPs of one transformer layer: ``tokens`` queries attending to ``keys`` keys (default: themselves).
+
+    ``exact=False`` is the paper's Eq. (Appendix "FLOPs computation"), extended to keys != queries:
+    ``8 q D^2 + 2 q k D + 2 m q D H``, i.e. ``F(P) = 8 P D^2 + 2 P^2 D + 6 P D H`` for a SwiGLU MLP
+    (m = 3) with q = k = P. It assumes multi-head attention (K/V projections as wide as Q).
+    ``exact=True`` counts 2 FLOPs per multiply-accumulate: ``4 q D A + 4 q D D_kv + 4 q k A + 2 m q D H``
+    with A = ``attn_dim`` and D_kv = ``kv_dim`` (both default to D).
+    """
+    keys = tokens if keys is None else keys
+    mlp = 2 * mlp_matrices * tokens * hidden * intermediate
+    if not exact:
+        return 8 * tokens * hidden * hidden + 2 * tokens * keys * hidden + mlp
+    attn_dim = hidden if attn_dim is None else attn_dim
+    kv_dim = hidden if kv_dim is None else kv_dim
+    projections = 4 * tokens * hidden * attn_dim + 4 * tokens * hidden * kv_dim
+    return projections + 4 * tokens * keys * attn_dim + mlp
+
+
+def decoder_layer_flops(text: TextShape, tokens: int, keys: int | None = None, exact: bool = False) -> int:
+    """``layer_flops`` with the language model's shape."""
+    return layer_flops(
+        tokens,
+        text.hidden,
+        text.intermediate,
+        keys=keys,
+        attn_dim=text.attn_dim,
+        kv_dim=text.kv_dim,
+        mlp_matrices=text.mlp_matrices,
+        exact=exact,
+    )
+
+
+def llm_prefill_flops(
+    config: PretrainedConfig | ModelShape | str,
+    tokens: int,
+    pruned_tokens: int,
+    full_layers: int,
+    *,
+    exact: bool = False,
+) -> int:
+    """The paper's ``FLOPs_LLM = L F(P) + (T - L) F(P_hat)`` with L = ``full_layers``, P = ``tokens``, P_hat =
+    ``pruned_tokens``; ``full_layers = T`` is the unpruned prefill. With this package's ``layer``,
+    ``full_layers = layer + 1``."""
+    text = _text(config)
+    if not 0 <= full_layers <= text.layers:
+        raise ValueError(f"full_layers must be in [0, {text.layers}], got {full_layers}")
+    full = full_layers * decoder_layer_flops(text, tokens, exact=exact)
+    return full + (text.layers - full_layers) * decoder_layer_flops(text, pruned_tokens, exact=exact)
+
+
+def kv_cache_bytes(
+    config: PretrainedConfig | ModelShape | str,
+    tokens: int,
+    dtype_bytes: int = 2,
+    batch: int = 1,
+    *,
+    pruned_from: int | None = None,
+    full_tokens: int | None = None,
+) -> int:
+    """Bytes of the KV cache: ``2 x layers x kv_heads x head_dim x tokens x dtype_bytes x batch``.
+
+    With ``pruned_from=None`` every layer caches ``tokens`` (this package's engine prunes the cache of
+    layers 0..L too). With ``pruned_from=j`` layers ``0 .. j-1`` cache ``full_tokens`` and layers ``j ..``
+    cache ``tokens`` (a method that leaves the early layers' cache unpruned).
+    """
+    text = _text(config)
+    per_token_layer = 2 * text.kv_heads * text.head_dim * dtype_bytes * batch
+    if pruned_from is None:
+        return per_token_layer * text.layers * tokens
+    if full_tokens is None or not 0 <= pruned_from <= text.layers:
+        raise ValueError("pruned_from needs full_tokens and must be in [0, layers]")
+    return per_token_layer * (pruned_from * full_tokens + (text.layers - pruned_from) * tokens)
+
+
+def _shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
+    return config if isinstance(config, ModelShape) else model_shape(config)
+
+
+def _text(config: PretrainedConfig | ModelShape | str) -> TextShape:
+    """The language model's shape; unlike ``_shape`` this accepts any decoder config."""
+    if isinstance(config, ModelShape):
+        return config.text
+    return text_shape(load_config(config) if isinstance(config, str) else config)
+
+
+# -- schedules: how many visual tokens each decoder layer sees ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Visual tokens per decoder layer: from 0-indexed layer ``stages[i][0]`` on, ``stages[i][1]`` are kept.
+
+    ``compact_cache=True``: after the prefill every layer's KV cache holds only the finally kept tokens
+    (this package's engine). ``False``: each layer caches the tokens it processed (PyramidDrop).
+    No stages is the unpruned model.
+    """
+
+    name: str
+    stages: tuple[tuple[int, int], ...] = ()
+    compact_cache: bool = True
+
+    def visual_per_layer(self, n_visual: int, n_layers: int) -> list[int]:
+        """Visual tokens processed by each decoder layer during the prefill."""
+        counts = [n_visual] * n_layers
+        previous_layer, previous_kept = -1, n_visual
+        for first, kept in self.stages:
+            if not previous_layer < first <= n_layers or kept < 0:
+                raise ValueError(f"stages must have increasing layers in [0, {n_layers}]: {self.stages}")
+            kept = min(kept, previous_kept)
+            counts[first:] = [kept] * (n_layers - first)
+            previous_layer, previous_kept = first, kept
+        return counts
+
+    def cached_per_layer(self, n_visual: int, n_layers: int) -> list[int]:
+        """Visual tokens each layer's KV cache holds after the prefill."""
+        counts = self.visual_per_layer(n_visual, n_layers)
+        return [counts[-1]] * n_layers if self.compact_cache else counts
+
+
+def single_stage(kept: int, full_layers: int, name: str = "priortr") -> Schedule:
+    """One pruning step: ``full_layers`` layers on all tokens, the rest on ``kept`` (cache compacted)."""
+    return Schedule(name, ((full_layers, kept),))
+
+
+def priortr_schedule(kept: int, layer: int = DEFAULT_LAYER, name: str = "priortr") -> Schedule:
+    """This package's engine: score at 0-indexed ``layer``, so ``layer + 1`` layers run on all tokens."""
+    return single_stage(kept, layer + 1, name)
+
+
+def pyramid_drop_schedule(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> Schedule:
+    """PyramidDrop (Xing et al., CVPR 2025): ``stages`` equal stages (layers 8/16/24 of 32), each keeping a
+    ratio lambda of the previous one, lambda = (K / N)^(1 / (stages - 1)) so that the last stage keeps K;
+    each layer caches what it processed. This is the schedule the paper's PDrop KV-cache column implies."""
+    if stages < 2:
+        raise ValueError("PyramidDrop needs at least 2 stages")
+    ratio = (min(kept, n_visual) / n_visual) ** (1 / (stages - 1))
+    firsts = [n_layers * i // stages for i in range(1, stages)]
+    counts = [round(n_visual * ratio**i) for i in range(1, stages - 1)] + [min(kept, n_visual)]
+    return Schedule("pdrop", tuple(zip(firsts, counts, strict=True)), compact_cache=False)
+
+
+def method_schedule(
+    method: str, kept: int, shape: ModelShape, n_visual: int, layer: int, full_layers: int | None = None
+) -> Schedule:
+    """The schedule of ``method`` ("priortr" / "fastv": one stage after ``layer``; "pdrop": PyramidDrop)."""
+    if method in ("priortr", "fastv"):
+        return single_stage(kept, layer + 1 if full_layers is None else full_layers, method)
+    if method == "pdrop":
+        return pyramid_drop_schedule(kept, n_visual, shape.text.layers)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+# -- totals ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """FLOPs of one inference (one image, batch 1), by term."""
+
+    vit: int
+    projector: int
+    llm_prefill: int
+    decode: int
+    lm_head: int
+
+    def total(self, terms: Iterable[str] = TERMS) -> int:
+        return sum(getattr(self, term) for term in terms)
+
+    def as_dict(self, terms: Iterable[str] = TERMS) -> dict[str, int]:
+        return {**asdict(self), "total": self.total(terms)}
+
+
+def vit_flops(shape: ModelShape, image_tokens: int, exact: bool = False) -> int:
+    """Patch embedding plus every vision block, for one image giving ``image_tokens`` LLM tokens."""
+    vision = shape.vision
+    patches = shape.patches_for(image_tokens)
+    tokens = patches + vision.cls_token
+    total = 2 * patches * vision.patch_pixels * vision.hidden
+    for index in range(vision.layers):
+        windowed = vision.window_tokens is not None and index not in vision.full_attention_layers
+        keys = min(tokens, vision.window_tokens) if windowed else tokens
+        total += layer_flops(
+            tokens,
+            vision.hidden,
+            vision.intermediate,
+            keys=keys,
+            mlp_matrices=vision.mlp_matrices,
+            exact=exact,
+        )
+    return total
+
+
+def projector_flops(shape: ModelShape, image_tokens: int) -> int:
+    """LLaVA's 2-layer MLP ``2 N (Dv D + D D)``, or Qwen's merger ``2 N ((m^2 Dv)^2 + m^2 Dv D)``."""
+    vision, hidden = shape.vision, shape.text.hidden
+    merged = vision.merge * vision.merge * vision.hidden
+    if vision.family == "clip":
+        return 2 * image_tokens * (vision.hidden * hidden + hidden * hidden)
+    return 2 * image_tokens * (merged * merged + merged * hidden)
+
+
+def decode_flops(text: TextShape, cached: Sequence[int], steps: int, exact: bool = False) -> int:
+    """``steps`` one-token forward passes; step s (1-based) attends, in layer l, to ``cached[l] + s`` keys."""
+    base = decoder_layer_flops(text, 1, keys=0, exact=exact)  # the formula is linear in the keys
+    per_key = decoder_layer_flops(text, 1, keys=1, exact=exact) - base
+    keys = sum(steps * prompt_cached + steps * (steps + 1) // 2 for prompt_cached in cached)
+    return len(cached) * steps * base + per_key * keys
+
+
+def inference_flops(
+    config: PretrainedConfig | ModelShape | str,
+    schedule: Schedule | None = None,
+    *,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
+    image_tokens: int | None = None,
+    exact: bool = False,
+    all_prefill_logits: bool = False,
+) -> FlopsBreakdown:
+    """FLOPs of one generation: ViT, projector, LLM prefill under ``schedule`` (None: unpruned), then
+    ``decode_steps`` decode steps, and the LM head (last prefill row, or every row that leaves the last
+    layer with ``all_prefill_logits``, plus one row per step). ``text_tokens`` counts every prompt token
+    that is not visual (template, separator, question)."""
+    shape = _shape(config)
+    text = shape.text
+    n_visual = shape.default_image_tokens if image_tokens is None else image_tokens
+    if text_tokens < 0 or decode_steps < 0 or n_visual < 1:
+        raise ValueError("text_tokens and decode_steps must be >= 0 and image_tokens >= 1")
+    schedule = schedule or Schedule("vanilla")
+    visual = schedule.visual_per_layer(n_visual, text.layers)
+    cached = [text_tokens + kept for kept in schedule.cached_per_layer(n_visual, text.layers)]
+    prefill_rows = text_tokens + visual[-1] if all_prefill_logits else 1
+    return FlopsBreakdown(
+        vit=vit_flops(shape, n_visual, exact),
+        projector=projector_flops(shape, n_visual),
+        llm_prefill=sum(decoder_layer_flops(text, text_tokens + kept, exact=exact) for kept in visual),
+        decode=decode_flops(text, cached, decode_steps, exact),
+        lm_head=2 * text.hidden * text.vocab * (prefill_rows + decode_steps),
+    )
+
+
+def cache_bytes(
+    shape: ModelShape, schedule: Schedule | None, text_tokens: int, n_visual: int, dtype_bytes: int = 2
+) -> int:
+    """KV-cache bytes right after the prefill under ``schedule`` (batch 1)."""
+    schedule = schedule or Schedule("vanilla")
+    per_layer = schedule.cached_per_layer(n_visual, shape.text.layers)
+    per_token = kv_cache_bytes(shape, 1, dtype_bytes) // shape.text.layers
+    return per_token * sum(text_tokens + kept for kept in per_layer)
+
+
+def layer_mapping(layer: int, n_layers: int, text_tokens: int, n_visual: int) -> str:
+    """One line saying which layers run on which tokens for this package's ``layer``."""
+    full = layer + 1
+    return (
+        f"layer={layer} (0-indexed scored layer): layers 0..{layer} ({full} layers, L = {full} in the "
+        f"paper's Eq.) run on all {text_tokens + n_visual} tokens; layers {full}..{n_layers - 1} "
+        f"({n_layers - full} layers) on {text_tokens} text + K visual tokens"
+    )
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def flops_report(
+    config: PretrainedConfig | ModelShape | str,
+    budgets: Sequence[int | float] = DEFAULT_BUDGETS,
+    *,
+    methods: Sequence[str] = ("priortr",),
+    layer: int = DEFAULT_LAYER,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
+    image_tokens: int | None = None,
+    full_layers: int | None = None,
+    exact: bool = False,
+    all_prefill_logits: bool = False,
+    terms: Sequence[str] = TERMS,
+    dtype_bytes: int = 2,
+) -> dict[str, Any]:
+    """FLOPs of vanilla and of each method x budget, by term, with the percentage of vanilla (JSON-ready).
+
+    ``config``: a config, a shipped name or a checkpoint path. ``budgets``: token counts K or ratios
+    in (0, 1) of the image's tokens (as ``priortr.apply``). ``layer``: this package's 0-indexed scored
+    layer (``full_layers = layer + 1`` unless ``full_layers`` is given). ``terms``: the terms summed
+    into ``total`` and the percentage (all by default). The KV cache is reported for ``dtype_bytes``.
+    """
+    name = config if isinstance(config, str) else getattr(config, "name_or_path", "") or config.model_type
+    shape = _shape(config)
+    n_visual = shape.default_image_tokens if image_tokens is None else image_tokens
+    unknown = sorted(set(terms) - set(TERMS))
+    if unknown:
+        raise ValueError(f"unknown terms {unknown}; choose from {', '.join(TERMS)}")
+    if not 0 <= layer <= shape.text.layers - 2:
+        raise ValueError(f"layer must be in [0, {shape.text.layers - 2}], got {layer}")
+    common = {
+        "text_tokens": text_tokens,
+        "decode_steps": decode_steps,
+        "image_tokens": n_visual,
+        "exact": exact,
+        "all_prefill_logits": all_prefill_logits,
+    }
+    vanilla = inference_flops(shape, None, **common)
+    vanilla_total = vanilla.total(terms)
+    rows = []
+    for method in methods:
+        for budget in budgets:
+            kept = resolve_budget(budget, n_visual)
+            schedule = method_schedule(method, kept, shape, n_visual, layer, full_layers)
+            flops = inference_flops(shape, schedule, **common)
+            rows.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "kept": kept,
+                    "stages": [list(stage) for stage in schedule.stages],
+                    "flops": flops.as_dict(terms),
+                    "percent": 100 * flops.total(terms) / vanilla_total,
+                    "kv_cache_bytes": cache_bytes(shape, schedule, text_tokens, n_visual, dtype_bytes),
+                }
+            )
+    effective_full = layer + 1 if full_layers is None else full_layers
+    return {
+        "model": name,
+        "model_type": shape.model_type,
+        "shapes": {"text": asdict(shape.text), "vision": _vision_dict(shape.vision)},
+        "assumptions": {
+            **common,
+            "layer": layer,
+            "full_layers": effective_full,
+            "mapping": layer_mapping(effective_full - 1, shape.text.layers, text_tokens, n_visual),
+            "prefill_logits": "all rows" if all_prefill_logits else "last position only (generate())",
+            "terms": list(terms),
+            "dtype_bytes": dtype_bytes,
+            "formula": "exact (GQA-aware, 2 FLOPs per MAC)" if exact else "paper: 8PD^2 + 2P^2D + 6PDH",
+        },
+        "vanilla": {
+            "flops": vanilla.as_dict(terms),
+            "percent": 100.0,
+            "kv_cache_bytes": cache_bytes(shape, None, text_tokens, n_visual, dtype_bytes),
+        },
+        "rows": rows,
+    }
+
+
+def _vision_dict(vision: VisionShape) -> dict[str, Any]:
+    data = asdict(vision)
+    data["full_attention_layers"] = sorted(vision.full_attention_layers)
+    return data
+
+
+def _gflops(value: int) -> str:
+    return f"{value / 1e9:,.1f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown: the assumptions, then one row per configuration with every term in GFLOPs."""
+    assumptions = report["assumptions"]
+    lines = [
+        f"FLOPs of {report['model']} ({report['model_type']}), one image, batch 1; {assumptions['formula']}.",
+        "",
+        f"- {assumptions['mapping']}",
+        f"- {assumptions['text_tokens']} text tokens, {assumptions['image_tokens']} visual tokens, "
+        f"{assumptions['decode_steps']} decode steps; LM head on the {assumptions['prefill_logits']} "
+        "of the prefill and one row per decode step",
+        f"- total and % of vanilla sum: {', '.join(assumptions['terms'])}; "
+        f"KV cache at {assumptions['dtype_bytes']} bytes per value",
+        "",
+        "| method | K | ViT | projector | LLM prefill | decode | LM head | total | % of vanilla "
+        "| KV cache (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    entries = [("vanilla", assumptions["image_tokens"], report["vanilla"])]
+    entries += [(row["method"], row["kept"], row) for row in report["rows"]]
+    for method, kept, entry in entries:
+        flops = entry["flops"]
+        cells = [_gflops(flops[term]) for term in (*TERMS, "total")]
+        lines.append(
+            f"| {method} | {kept} | {' | '.join(cells)} | {entry['percent']:.1f}% "
+            f"| {entry['kv_cache_bytes'] / 2**20:.1f} |"
+        )
+    lines.append("")
+    lines.append("FLOPs columns in GFLOPs (1e9).")
+    return "\n".join(lines) + "\n"
+
+
+# -- the paper's FLOPs column --------------------------------------------------------------------------
+
+PAPER_FLOPS_PERCENT: dict[str, dict[int, float]] = {
+    "fastv": {192: 49.5, 128: 41.1, 64: 32.8},
+    "priortr": {192: 49.5, 128: 41.1, 64: 32.8},
+    "pdrop": {192: 70.0, 128: 63.3, 64: 55.4},
+    "sparsevlm": {192: 45.7, 128: 36.8, 64: 28.1},
+}
+PAPER_KV_CACHE_MB: dict[str, dict[int, int]] = {
+    "vanilla": {576: 312},
+    "fastv": {192: 120, 128: 88, 64: 56},
+    "priortr": {192: 120, 128: 88, 64: 56},
+    "pdrop": {192: 205, 128: 182, 64: 156},
+    "sparsevlm": {192: 128, 128: 97, 64: 66},
+}
+
+
+@dataclass(frozen=True)
+class PaperProtocol:
+    """The assumptions that reproduce the paper's FLOPs column (Table "Efficiency comparison on
+    LLaVA-1.5-7B"); see docs/flops.md for the search that chose them.
+
+    - 48 text tokens: the prompt of the paper's own KV-cache column (312 MiB = 624 tokens = 576 + 48).
+    - 63 decode steps: ``generate(max_new_tokens=64)`` (the prefill yields the first token).
+    - 2 full layers: the paper's Eq. with L = 2, which is FastV's K = 2 (this package's ``layer=1``);
+      the paper gives FastV and PriorTR the same FLOPs, so both are counted with L = 2.
+    - every term (ViT, projector, prefill, decode, LM head), the paper's formula, logits of the last
+      prefill position only.
+    """
+
+    model: str = "llava-1.5-7b"
+    text_tokens: int = DEFAULT_TEXT_TOKENS
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    full_layers: int = 2
+    terms: tuple[str, ...] = TERMS
+    exact: bool = False
+    all_prefill_logits: bool = False
+
+
+PAPER_PROTOCOL = PaperProtocol()
+REPRODUCED_METHODS: tuple[str, ...] = ("fastv", "priortr", "pdrop")
+
+
+def paper_reproduction(protocol: PaperProtocol = PAPER_PROTOCOL) -> dict[str, Any]:
+    """Our FLOPs percentages next to the paper's, for FastV, PriorTR and PyramidDrop at K = 192/128/64."""
+    report = flops_report(
+        protocol.model,
+        tuple(PAPER_FLOPS_PERCENT["fastv"]),
+        methods=REPRODUCED_METHODS,
+        layer=protocol.full_layers - 1,
+        text_tokens=protocol.text_tokens,
+        decode_steps=protocol.decode_steps,
+        full_layers=protocol.full_layers,
+        exact=protocol.exact,
+        all_prefill_logits=protocol.all_prefill_logits,
+        terms=protocol.terms,
+    )
+    rows = []
+    for row in report["rows"]:
+        paper = PAPER_FLOPS_PERCENT[row["method"]][row["kept"]]
+        rows.append(
+            {
+                "method": row["method"],
+                "kept": row["kept"],
+                "paper_percent": paper,
+                "ours_percent": round(row["percent"], 2),
+                "difference": round(row["percent"] - paper, 2),
+                "paper_kv_cache_mb": PAPER_KV_CACHE_MB[row["method"]][row["kept"]],
+                "ours_kv_cache_mib": round(row["kv_cache_bytes"] / 2**20, 1),
+            }
+        )
+    return {"protocol": asdict(protocol), "assumptions": report["assumptions"], "rows": rows}
+
+
+def paper_fit_error(protocol: PaperProtocol = PAPER_PROTOCOL, methods: Sequence[str] = ("fastv",)) -> float:
+    """Largest |ours - paper| in percentage points over ``methods`` x {192, 128, 64}."""
+    rows = paper_reproduction(protocol)["rows"]
+    return max(abs(row["difference"]) for row in rows if row["method"] in methods)
+
+
+def format_paper_table(result: dict[str, Any]) -> str:
+    """Markdown of ``paper_reproduction``: the paper's numbers and ours, side by side."""
+    protocol = result["protocol"]
+    lines = [
+        f"Paper FLOPs column reproduced on {protocol['model']}: {protocol['text_tokens']} text tokens, "
+        f"{protocol['decode_steps']} decode steps, L = {protocol['full_layers']} full layers "
+        f"(this package's layer={protocol['full_layers'] - 1}), terms: {', '.join(protocol['terms'])}.",
+        "",
+        "| method | K | FLOPs, paper | FLOPs, ours | ours - paper | KV cache, paper (MB) "
+        "| KV cache, ours (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['method']} | {row['kept']} | {row['paper_percent']:.1f}% | {row['ours_percent']:.1f}% "
+            f"| {row['difference']:+.2f} | {row['paper_kv_cache_mb']} | {row['ours_kv_cache_mib']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_DECODE_STEPS",
+    "DEFAULT_LAYER",
+    "DEFAULT_TEXT_TOKENS",
+    "METHODS",
+    "PAPER_FLOPS_PERCENT",
+    "PAPER_KV_CACHE_MB",
+    "PAPER_PROTOCOL",
+    "TERMS",
+    "FlopsBreakdown",
+    "ModelShape",
+    "PaperProtocol",
+    "Schedule",
+    "TextShape",
+    "VisionShape",
+    "cache_bytes",
+    "decode_flops",
+    "decoder_layer_flops",
+    "flops_report",
+    "format_paper_table",
+    "format_table",
+    "inference_flops",
+    "kv_cache_bytes",
+    "layer_flops",
+    "layer_mapping",
+    "llm_prefill_flops",
+    "method_schedule",
+    "model_shape",
+    "paper_fit_error",
+    "paper_reproduction",
+    "priortr_schedule",
+    "projector_flops",
+    "pyramid_drop_schedule",
+    "single_stage",
+    "text_shape",
+    "vit_flops",
+]

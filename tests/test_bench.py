@@ -1,0 +1,123 @@
+"""``priortr bench`` on a reduced LLaVA shape: exact KV bytes, a smoke speed-up, complete reports.
+
+Timings are not asserted beyond one loose smoke bound (pruning 89% of 576 visual tokens must make
+the language-model prefill faster at all); the numbers themselves belong in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+from priortr import bench
+from priortr.cli import main
+
+TEXT, N_VISUAL, K = 48, 576, 64
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    """A LLaVA-1.5-shaped config (576 visual tokens from a 336 px image) with a small LLM."""
+    text = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    vision = CLIPVisionConfig(
+        image_size=336,
+        patch_size=14,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
+    config = LlavaConfig(
+        text_config=text, vision_config=vision, image_token_id=999, image_seq_length=N_VISUAL
+    )
+    path = tmp_path_factory.mktemp("llava-reduced")
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(config_dir):
+    model = bench.build_model(str(config_dir), torch.device("cpu"), torch.float32)
+    return bench.run_bench(
+        model,
+        ["vanilla", "priortr", "fastv"],
+        [K],
+        [1],
+        layer=2,
+        text_tokens=TEXT,
+        new_tokens=2,
+        warmup=1,
+        repeats=3,
+        decode_repeats=1,
+    )
+
+
+def test_kv_cache_bytes_are_measured_and_exact(report):
+    vanilla, *pruned = report.cases
+    assert vanilla.kv_cache_bytes == vanilla.kv_cache_expected_bytes
+    for case in pruned:
+        assert case.kv_cache_bytes == case.kv_cache_expected_bytes
+        assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + K)
+
+
+def test_pruning_speeds_up_the_prefill(report):
+    """Smoke check with a loose bound: at 11% of the visual tokens, 5 of 8 layers run on 112 tokens
+    instead of 624, so the language-model prefill must be faster than vanilla."""
+    for case in report.cases[1:]:
+        assert case.speedup > 1.1, case
+        assert 1.0 < case.limit_speedup < 8 / 3
+        assert case.overhead_ms is not None and case.overhead_ms.median > 0
+
+
+def test_reports_are_complete(report, tmp_path):
+    table = bench.format_markdown(report)
+    assert table.count("\n| ") == 2 + len(report.cases)  # header, rule, one row per case
+    assert "roofline limit" in table
+    document = report.to_json()
+    assert {row["method"] for row in document["cases"]} == {"vanilla", "priortr", "fastv"}
+    assert document["ceilings"]["matmul_flops_per_s"] > 0 and document["meta"]["device_type"] == "cpu"
+    bench.plot(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 5_000
+
+
+def test_bench_command_prints_one_json_document(config_dir, tmp_path, capsys):
+    argv = [
+        "bench",
+        "--model",
+        str(config_dir),
+        "--layers",
+        "4",
+        "--methods",
+        "vanilla",
+        "priortr",
+        "--budgets",
+        "64",
+        "--batch-sizes",
+        "1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--decode-repeats",
+        "1",
+        "--new-tokens",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [row["method"] for row in document["cases"]] == ["vanilla", "priortr"]
+    assert document["meta"]["text_layers"] == 4
+    assert {p.name for p in tmp_path.iterdir()} == {"bench.json", "bench.md", "bench.png"}
