@@ -102,12 +102,23 @@ class _Prefill:
     n_visual: int
     budget: int
     key_valid: torch.Tensor  # [B, S] False on padding
-    posterior_valid: Callable[[int, int], torch.Tensor]  # (first_row, n_rows) -> [B, R]
-    last_row: torch.Tensor  # [B]
+    last_row: torch.Tensor  # [B] last non-padding position
+    posterior_rows: str
     next_position: torch.Tensor  # [B]
     captured: dict[str, Any] = field(default_factory=dict)
     index: torch.Tensor | None = None  # [B, S'] once pruned
     memo: dict[int, Any] = field(default_factory=dict)
+
+    def posterior_valid(self, first_row: int, n_rows: int) -> torch.Tensor:
+        """[B, R] which of the rows ``first_row ..`` are averaged into P (see ``PruningConfig``)."""
+        position = torch.arange(first_row, first_row + n_rows, device=self.key_valid.device)[None]  # [1, R]
+        if self.posterior_rows == "last":
+            return position == self.last_row[:, None]
+        if self.posterior_rows == "after_separator":
+            after = position > self.separator[:, None]
+        else:
+            after = position >= self.separator[:, None]
+        return after & self.key_valid[:, first_row:]
 
 
 def _has_visual_inputs(call: dict) -> bool:
@@ -215,18 +226,7 @@ class PruningEngine:
                 "the separator slot after the image is a padding token; check the attention mask"
             )
         last_row = seq - 1 - key_valid.flip(1).int().argmax(dim=1)  # [B] last non-padding position
-        rows = self.config.posterior_rows
-
-        def posterior_valid(first_row: int, n_rows: int) -> torch.Tensor:
-            position = torch.arange(first_row, first_row + n_rows, device=key_valid.device)[None]  # [1, R]
-            if rows == "last":
-                return position == last_row[:, None]
-            after = (
-                position > separator[:, None] if rows == "after_separator" else position >= separator[:, None]
-            )
-            return after & key_valid[:, first_row:]
-
-        if rows == "after_separator" and bool((separator >= last_row).any()):
+        if self.config.posterior_rows == "after_separator" and bool((separator >= last_row).any()):
             raise ValueError(
                 "no instruction token follows the separator, so there is no posterior to score with; put the "
                 "question after the image, or use posterior_rows='from_separator'"
@@ -242,8 +242,8 @@ class PruningEngine:
             n_visual=n_visual,
             budget=resolve_budget(self.config.budget, n_visual),
             key_valid=key_valid,
-            posterior_valid=posterior_valid,
             last_row=last_row,
+            posterior_rows=self.config.posterior_rows,
             next_position=next_position,
         )
 
