@@ -175,6 +175,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_viz(args: argparse.Namespace) -> int:
+    """Draw the prior Q, posterior P, score S and kept tokens over the image, one row per layer x budget
+    (the paper's qualitative figure)."""
+    from PIL import Image
+
+    from priortr import viz
+    from priortr.adapters import adapter_for
+
+    try:  # before the (slow) model load, to fail fast on a bad path
+        image = Image.open(args.image).convert("RGB")
+    except OSError as exc:
+        raise ValueError(f"cannot read image {args.image!r}: {exc.strerror or exc}") from exc
+    log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
+    processor, model = load(args.model, args.dtype, args.device)
+    results = viz.attention_maps(
+        model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
+    )
+    view = adapter_for(model).image_view(image, processor)
+    title = f'{Path(args.model).name or args.model}, {args.method}: "{args.prompt}"'
+    print(viz.render(results, view, args.out, title=title))
+    for maps in results:
+        print(
+            f"layer {maps.layer}, budget {maps.budget}: visual tokens kept: {maps.n_kept} / {maps.n_visual}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one sub-parser per command, each dispatching to its ``cmd_*`` function."""
     parser = argparse.ArgumentParser(prog="priortr", description="Prior-corrected visual token pruning.")
@@ -236,6 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     bench.set_defaults(func=cmd_bench)
+
+    viz = commands.add_parser(
+        "viz", help="draw prior, posterior and score maps over the image", description=cmd_viz.__doc__
+    )
+    viz.add_argument("--model", required=True, help="hub id or local checkpoint directory")
+    viz.add_argument("--image", required=True, help="path of the image file")
+    viz.add_argument("--prompt", required=True, help="the question or instruction")
+    viz.add_argument("--method", default="priortr", help=f"scoring rule: {methods}")
+    viz.add_argument("--layers", type=int, nargs="+", default=[2], help="0-indexed scored layers, a row each")
+    viz.add_argument(
+        "--budgets",
+        type=parse_budget,
+        nargs="+",
+        default=[64],
+        help="kept tokens: counts or ratios, a row each",
+    )
+    viz.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    viz.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    viz.add_argument("--out", required=True, help="path of the PNG to write")
+    viz.set_defaults(func=cmd_viz)
     return parser
 
 
