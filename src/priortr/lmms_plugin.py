@@ -1,0 +1,421 @@
+"""lmms-eval model ``priortr``: a Hugging Face image-text model with PriorTR visual-token pruning.
+
+    lmms-eval --model priortr \\
+        --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
+        --tasks gqa --batch_size 8 --output_path results/
+
+The model is loaded with ``AutoProcessor`` + ``AutoModelForImageTextToText`` and ``priortr.apply`` is
+attached once; every request then runs the stock ``generate()`` / forward call of the pruned model.
+Registered through the ``lmms_eval.models`` entry point (``priortr.lmms_manifest``). This module imports
+``lmms_eval`` and is only imported by lmms-eval itself; ``import priortr`` does not import it.
+
+Requests, in lmms-eval's "simple" model format:
+
+* ``generate_until``: greedy ``generate()`` on the chat-template prompt (image(s) first, then the
+  context), batches of ``batch_size`` requests with the same generation kwargs, left padding; the answer
+  is cut at the first ``until`` string.
+* ``loglikelihood`` (``multiple_choice`` and ``loglikelihood`` tasks): one plain forward pass over
+  prompt + continuation (prompt = chat template with the generation prompt, continuation appended as
+  text), pruned like any prefill; the continuation is text after the image, so it is never pruned and
+  its logits are the last rows of the pruned logits (checked against ``handle.last.positions``).
+  Returns ``(-sum log p(continuation), is_greedy)``: a loss, because lmms-eval's ``multiple_choice``
+  picks the choice with the *smallest* value (its built-in models return a token-mean loss).
+
+Kept/total visual tokens are recorded per batch and reported through lmms-eval's throughput log
+(``results.json["throughput"]["avg_kept_tokens"]``, ``avg_visual_tokens``, ``avg_budget``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lmms_eval import utils as lmms_utils
+from lmms_eval.api.instance import GenerationResult, Instance
+from lmms_eval.api.model import lmms
+from lmms_eval.models.model_utils.gen_metrics import log_metrics
+from loguru import logger as eval_logger
+from PIL import Image
+
+import priortr
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+# keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
+_IGNORED_KWARGS = ("max_batch_size",)
+
+
+@dataclass
+class KeptStats:
+    """Visual tokens kept over the batches of one request type: requests with an image, and without."""
+
+    rows: int = 0
+    kept: int = 0  # summed over rows
+    total: int = 0  # summed over rows
+    unpruned_rows: int = 0  # rows without an image (PruningSkippedWarning) or with several: unpruned
+
+    def add(self, rows: int, kept: int | None, total: int | None) -> None:
+        if kept is None or total is None:
+            self.unpruned_rows += rows
+        else:
+            self.rows += rows
+            self.kept += rows * kept
+            self.total += rows * total
+
+    def summary(self) -> dict[str, float]:
+        if self.rows == 0:
+            return {}
+        return {
+            "kept_tokens": self.kept / self.rows,
+            "visual_tokens": self.total / self.rows,
+            "kept_ratio": self.kept / self.total,
+        }
+
+
+def _parse_budget(budget: int | float | str) -> int | float:
+    """lmms-eval hands ``budget=64`` over as int 64 and ``budget=0.25`` as float; accept strings too."""
+    if isinstance(budget, str):
+        text = budget.strip()
+        return int(text) if text.lstrip("+-").isdigit() else float(text)
+    return budget
+
+
+def cut_at_stop(text: str, until: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any (non-empty) stop string."""
+    cut = len(text)
+    for stop in until:
+        if stop:
+            found = text.find(stop)
+            if found != -1:
+                cut = min(cut, found)
+    return text[:cut]
+
+
+class PriorTRLMMs(lmms):
+    """lmms-eval model ``priortr``. ``--model_args`` (all optional except ``pretrained``):
+
+    Args:
+        pretrained: hub id or local checkpoint directory of a model supported by priortr.
+        method: scoring rule (``priortr.available_methods()``), default ``priortr``.
+        budget: kept visual tokens per image: int K, or a ratio in (0, 1). Default 64.
+        layer: 0-indexed decoder layer whose attention is scored (paper: 2). Default 2.
+        device: ``cuda``, ``cuda:0``, ``cpu``...; default ``cuda`` when available, else ``cpu``.
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``float16``, ``bfloat16`` or ``float64``.
+        batch_size: requests per forward / generate call (lmms-eval's ``--batch_size``).
+        max_new_tokens: generation length when a task does not set one (lmms-eval's llava_hf: 1024).
+        heads, posterior_rows: passed to ``priortr.apply``.
+        attn_implementation: passed to ``from_pretrained`` (``sdpa``, ``eager``...).
+    """
+
+    is_simple = True
+
+    def __init__(
+        self,
+        pretrained: str,
+        method: str = "priortr",
+        budget: int | float | str = 64,
+        layer: int = 2,
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int | str = 1,
+        max_new_tokens: int = 1024,
+        heads: str = "mean",
+        posterior_rows: str = "after_separator",
+        attn_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"priortr: unknown model_args {unknown}; see docs/lmms-eval.md")
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        if str(batch_size).strip().isdigit() and int(batch_size) >= 1:
+            self.batch_size = int(batch_size)  # the CLI passes --batch_size as a string
+        else:
+            raise ValueError(f"priortr: batch_size must be a positive integer; got {batch_size!r}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"priortr: dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_new_tokens = int(max_new_tokens)
+        self.budget = _parse_budget(budget)
+
+        load_kwargs: dict[str, Any] = {"dtype": DTYPES.get(dtype, "auto")}
+        if attn_implementation:
+            load_kwargs["attn_implementation"] = attn_implementation
+        self.processor = AutoProcessor.from_pretrained(pretrained)
+        self.model = AutoModelForImageTextToText.from_pretrained(pretrained, **load_kwargs)
+        self.model.to(self.device).eval()
+        self.tokenizer = self.processor.tokenizer
+        self.image_token_id = self.model.config.image_token_id
+        self.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
+        if getattr(self.processor, "chat_template", None) is None:
+            raise ValueError(f"priortr: the processor of {pretrained!r} has no chat template")
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self._apply_kwargs = {
+            "method": method,
+            "budget": self.budget,
+            "layer": int(layer),
+            "heads": heads,
+            "posterior_rows": posterior_rows,
+        }
+        self.handle = priortr.apply(self.model, **self._apply_kwargs)
+        self._warned_multi_image = False
+        eval_logger.info(
+            f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {self.device}, "
+            f"method={method} budget={self.budget} layer={layer} batch_size={self.batch_size}"
+        )
+
+    # -- shared helpers ------------------------------------------------------------------------------
+
+    def _images(self, doc_to_visual: Callable, task: str, split: str, doc_id: int) -> list[Image.Image]:
+        visuals = doc_to_visual(self.task_dict[task][split][doc_id]) or []
+        visuals = [v for v in visuals if v is not None]
+        for visual in visuals:
+            if not isinstance(visual, Image.Image):
+                raise NotImplementedError(
+                    f"priortr: task {task!r} gives a {type(visual).__name__} visual; only images are "
+                    "supported"
+                )
+        return [v.convert("RGB") for v in visuals]
+
+    def _prompt(self, context: str, images: list[Image.Image]) -> str:
+        """The chat-template prompt text: the image placeholder(s), then the context; generation prompt."""
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": context}]
+        return self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    def _encode(self, texts: list[str], images: list[list[Image.Image]]) -> Any:
+        """Left-padded batch of prompt texts (special tokens come from the template) and their images."""
+        flat = [image for row in images for image in row]
+        inputs = self.processor(
+            text=texts,
+            images=flat or None,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        return inputs.to(self.device, dtype=self.model.dtype)  # only floating tensors (pixels) are cast
+
+    def _batches(
+        self, texts: list[str], images: list[list[Image.Image]]
+    ) -> list[tuple[list[int], Any, bool]]:
+        """``[(row indices, inputs, prune)]``: the batch, split where rows differ in their visual tokens.
+
+        priortr prunes a batch only when every row has the same number of visual tokens from one image
+        (always so for LLaVA-1.5 single-image prompts; Qwen2-VL's dynamic resolution can differ per image,
+        and a row without an image has none). Rows with several images (e.g. SEED-Bench's video frames)
+        cannot be pruned: they run unpruned (``prune`` False) and are reported as such.
+        """
+        inputs = self._encode(texts, images)
+        counts = (inputs["input_ids"] == self.image_token_id).sum(dim=1).tolist()
+        keys = [(len(row) > 1, count) for row, count in zip(images, counts, strict=True)]
+        if len(set(keys)) == 1:
+            return [(list(range(len(texts))), inputs, not keys[0][0])]
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for row, key in enumerate(keys):
+            groups.setdefault(key, []).append(row)
+        return [
+            (rows, self._encode([texts[r] for r in rows], [images[r] for r in rows]), not multi)
+            for (multi, _), rows in groups.items()
+        ]
+
+    @contextlib.contextmanager
+    def _pruning(self, enabled: bool, n_rows: int) -> Iterator[None]:
+        """Run the block pruned (the default) or, for rows with several images, on the stock model."""
+        if enabled:
+            yield
+            return
+        if not self._warned_multi_image:
+            self._warned_multi_image = True
+            eval_logger.warning(
+                f"priortr: {n_rows} request(s) hold several images; priortr prunes one image per prompt, so "
+                "such requests run unpruned (counted as unpruned_requests; warned once)"
+            )
+        self.handle.remove()
+        try:
+            yield
+        finally:
+            self.handle = priortr.apply(self.model, **self._apply_kwargs)
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _kept(self, before: Any) -> tuple[int | None, int | None]:
+        """(K, N) of the prefill just run, or (None, None) when priortr skipped it (no image tokens)."""
+        last = self.handle.last
+        if last is None or last is before:
+            return None, None
+        return int(last.kept.shape[-1]), int(last.scores.shape[-1])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _report(self, kind: str, stats: KeptStats, elapsed: float, gen_tokens: int) -> None:
+        extra: dict[str, Any] = {
+            "budget": self.budget,
+            **stats.summary(),
+            "unpruned_requests": stats.unpruned_rows,
+        }
+        log_metrics(elapsed, gen_tokens, gen_tokens / elapsed if elapsed > 0 else 0.0, extra)
+        if stats.rows:
+            eval_logger.info(
+                f"priortr {kind}: kept {stats.kept / stats.rows:.2f} of {stats.total / stats.rows:.2f} "
+                f"visual tokens per request on average ({stats.rows} requests with an image, "
+                f"{stats.unpruned_rows} without or with several: unpruned)"
+            )
+        elif stats.unpruned_rows:
+            eval_logger.info(f"priortr {kind}: {stats.unpruned_rows} requests ran unpruned (no single image)")
+
+    # -- generate_until ------------------------------------------------------------------------------
+
+    def generate_until(self, requests: list[Instance]) -> list[str]:
+        answers: list[str | None] = [None] * len(requests)
+        items = [(index, request.args) for index, request in enumerate(requests)]
+        collator = lmms_utils.Collator(
+            items, lambda item: (-len(item[1][0]), item[0]), group_fn=lambda item: item[1][1], grouping=True
+        )
+        stats, elapsed, gen_tokens = KeptStats(), 0.0, 0
+        for chunk in collator.get_batched(n=self.batch_size):
+            indices = [index for index, _ in chunk]
+            gen_kwargs = dict(chunk[0][1][1] or {})
+            until = gen_kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new_tokens = int(gen_kwargs.pop("max_new_tokens", None) or self.max_new_tokens)
+            if float(gen_kwargs.get("temperature") or 0) > 0 or gen_kwargs.get("do_sample"):
+                eval_logger.warning("priortr: the task asks for sampling; the plug-in decodes greedily")
+            images = [self._images(d2v, task, split, doc_id) for _, (_, _, d2v, doc_id, task, split) in chunk]
+            prompts = [self._prompt(args[0], imgs) for (_, args), imgs in zip(chunk, images, strict=True)]
+            for rows, inputs, prune in self._batches(prompts, images):
+                before = self.handle.last
+                self._sync()
+                start = time.perf_counter()
+                with self._pruning(prune, len(rows)), torch.inference_mode():
+                    output = self.model.generate(
+                        **inputs,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        num_beams=1,
+                        pad_token_id=self.pad_token_id,
+                    )
+                self._sync()
+                elapsed += time.perf_counter() - start
+                stats.add(len(rows), *(self._kept(before) if prune else (None, None)))
+                new_tokens = output[:, inputs["input_ids"].shape[1] :]
+                gen_tokens += int((new_tokens != self.pad_token_id).sum())
+                texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                for row, text in zip(rows, texts, strict=True):
+                    answers[indices[row]] = cut_at_stop(text, until).strip()
+        self._report("generate_until", stats, elapsed, gen_tokens)
+        return answers  # type: ignore[return-value]
+
+    # -- loglikelihood -------------------------------------------------------------------------------
+
+    def loglikelihood(self, requests: list[Instance]) -> list[GenerationResult]:
+        """(negative log-likelihood of the continuation, whether it is the greedy continuation), per request.
+
+        lmms-eval 0.7 treats this value as a loss: ``multiple_choice`` takes ``argmin`` over the choices.
+        Here it is ``-sum(log p)`` over the continuation's tokens, the exact negation of lm-eval's
+        log-likelihood, so the choice ranking is lm-eval's (lmms-eval's llava_hf returns the token mean
+        instead; both rank single-token choices identically). Returned as
+        ``GenerationResult(text=(nll, is_greedy))``: lmms-eval 0.7 passes every model output through
+        ``unwrap_generation_output``, which turns a bare tuple into its string.
+        """
+        results: list[GenerationResult | None] = [None] * len(requests)
+        rows = []
+        for index, request in enumerate(requests):
+            context, target, d2v, doc_id, task, split = request.args
+            continuation = target if isinstance(target, str) else target(self.task_dict[task][split][doc_id])
+            rows.append((index, context, continuation, d2v, doc_id, task, split))
+        collator = lmms_utils.Collator(rows, lambda row: (-len(row[1]) - len(row[2]), row[0]))
+        stats, elapsed = KeptStats(), 0.0
+        for chunk in collator.get_batched(n=self.batch_size):
+            images = [self._images(row[3], row[5], row[6], row[4]) for row in chunk]
+            self._sync()
+            start = time.perf_counter()
+            scored = self._score([row[1] for row in chunk], [row[2] for row in chunk], images, stats)
+            for row, (ll, greedy) in zip(chunk, scored, strict=True):
+                results[row[0]] = GenerationResult(text=(-ll, greedy))  # type: ignore[arg-type]
+            self._sync()
+            elapsed += time.perf_counter() - start
+        self._report("loglikelihood", stats, elapsed, 0)
+        return results  # type: ignore[return-value]
+
+    def _score(
+        self,
+        contexts: list[str],
+        continuations: list[str],
+        images: list[list[Image.Image]],
+        stats: KeptStats | None = None,
+    ) -> list[tuple[float, bool]]:
+        """(sum of log-probs, is_greedy) of each continuation after its prompt, in one pruned forward pass
+        per batch (left padded; split by visual-token count).
+
+        The continuation's tokens are those of tokenize(prompt + continuation) past tokenize(prompt), as
+        lm-eval splits them. The logits row of original position p predicts the token at p + 1, and the
+        pruned logits hold the rows of ``handle.last.positions``: text after the image is always kept, so
+        the n continuation tokens at S-n .. S-1 are predicted by the last n + 1 rows but one.
+        """
+        prompts = [self._prompt(context, imgs) for context, imgs in zip(contexts, images, strict=True)]
+        tails = []
+        for prompt, continuation in zip(prompts, continuations, strict=True):
+            whole = self._text_ids(prompt + continuation)
+            n = len(whole) - len(self._text_ids(prompt))
+            if n < 1:
+                raise ValueError(f"priortr: the continuation {continuation!r} adds no token to the prompt")
+            tails.append(whole[-n:])
+        texts = [p + c for p, c in zip(prompts, continuations, strict=True)]
+        out: list[tuple[float, bool] | None] = [None] * len(texts)
+        for rows, inputs, prune in self._batches(texts, images):
+            before = self.handle.last
+            with self._pruning(prune, len(rows)), torch.inference_mode():
+                logits = self.model(**inputs, use_cache=False).logits  # [B, S', V]
+            kept = self._kept(before) if prune else (None, None)
+            if stats is not None:
+                stats.add(len(rows), *kept)
+            input_ids = inputs["input_ids"]
+            seq, pruned_seq = input_ids.shape[1], logits.shape[1]
+            if kept[0] is None:  # unpruned (no image, or several): every position is a row
+                positions = torch.arange(seq, device=logits.device).expand(len(rows), seq)
+            else:
+                positions = self.handle.last.positions
+            if positions.shape[1] != pruned_seq:
+                raise RuntimeError(f"priortr: {pruned_seq} logits rows but {positions.shape[1]} positions")
+            for i, row in enumerate(rows):
+                n = len(tails[row])
+                target = input_ids[i, seq - n :]
+                if target.tolist() != tails[row]:
+                    raise RuntimeError(
+                        f"priortr: the processor tokenised the continuation {continuations[row]!r} "
+                        "differently from the tokenizer"
+                    )
+                expected = torch.arange(seq - n - 1, seq, device=positions.device)
+                if not torch.equal(positions[i, -n - 1 :], expected):
+                    raise RuntimeError(
+                        "priortr: the continuation's logits are not the last rows of the logits"
+                    )
+                rows_logits = logits[i, pruned_seq - n - 1 : pruned_seq - 1]
+                # at least float32 (fp16/bf16 models), float64 stays float64
+                dtype = torch.promote_types(rows_logits.dtype, torch.float32)
+                log_probs = torch.log_softmax(rows_logits.to(dtype), dim=-1)
+                ll = float(log_probs.gather(1, target[:, None]).sum())
+                greedy = bool((log_probs.argmax(dim=-1) == target).all())
+                out[row] = (ll, greedy)
+        return out  # type: ignore[return-value]
+
+    def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
+        raise NotImplementedError("priortr: multi-round generation is not supported by the priortr plug-in")
