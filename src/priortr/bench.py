@@ -148,7 +148,7 @@ def timing_hooks(model: nn.Module, clock_ref: list[Clock], scored_layer: int | N
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> Ceilings:
     """Peak matmul FLOP/s and copy bandwidth of this device, median of ``repeats``."""
-    n = 8192 if device.type == "cuda" else 1024
+    n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     matmul = _median_seconds(lambda: torch.matmul(a, b), device, repeats)
