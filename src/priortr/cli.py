@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import priortr
+from priortr import viz
 
 log = logging.getLogger("priortr.cli")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -88,11 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot read image {args.image!r}: {exc.strerror or exc}") from exc
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
     processor, model = load(args.model, args.dtype, args.device)
-    content = [{"type": "image", "image": image}, {"type": "text", "text": args.prompt}]
-    messages = [{"role": "user", "content": content}]
-    inputs = processor.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-    ).to(model.device, dtype=model.dtype)  # only floating tensors (pixels) are cast
+    inputs = viz.chat_inputs(processor, image, args.prompt, model)
     pruning = (
         contextlib.nullcontext()
         if args.no_prune
@@ -180,7 +177,6 @@ def cmd_viz(args: argparse.Namespace) -> int:
     (the paper's qualitative figure)."""
     from PIL import Image
 
-    from priortr import viz
     from priortr.adapters import adapter_for
 
     try:  # before the (slow) model load, to fail fast on a bad path
