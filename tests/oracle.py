@@ -23,7 +23,7 @@ summation order of floating point, the logits of kept positions and the greedy t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -31,12 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
+KEPT = 1 << 30
+"""``last_seen`` of a column that is never pruned."""
+
 
 def _oracle_mask(
-    pruned: torch.BoolTensor,
+    last_seen: torch.LongTensor,
     valid: torch.BoolTensor,
     layer_idx: int,
-    layer: int,
     past: int,
     q_len: int,
     kv_len: int,
@@ -44,9 +46,11 @@ def _oracle_mask(
 ) -> torch.Tensor:
     """Additive float mask [B, 1, q_len, kv_len] for one decoder layer call.
 
-    ``pruned``/``valid`` are [B, S_prompt] (valid = not padding). Queries sit at absolute positions
-    ``past .. past + q_len - 1``; key column ``j`` is absolute position ``j``.
+    ``last_seen``/``valid`` are [B, S_prompt]: the last decoder layer whose prompt queries see each
+    prompt column (``KEPT`` if never pruned), and valid = not padding. Queries sit at absolute
+    positions ``past .. past + q_len - 1``; key column ``j`` is absolute position ``j``.
     """
+    pruned = last_seen < KEPT
     batch, s_prompt = pruned.shape
     device = pruned.device
     q_pos = torch.arange(past, past + q_len, device=device)[:, None]  # [q, 1]
@@ -54,15 +58,19 @@ def _oracle_mask(
 
     # Prompt columns carry padding / pruning flags; columns after the prompt are generated tokens.
     pad_cols = torch.ones(batch, kv_len, dtype=torch.bool, device=device)  # [B, kv]
+    hidden_cols = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)  # [B, kv] from prompt rows
     pruned_cols = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)  # [B, kv]
     n = min(s_prompt, kv_len)
     pad_cols[:, :n] = valid[:, :n]
+    hidden_cols[:, :n] = layer_idx > last_seen[:, :n]
     pruned_cols[:, :n] = pruned[:, :n]
 
-    # Pruned keys are hidden from prompt queries after layer L, from generated queries everywhere.
-    hide_for_query = (q_pos >= s_prompt) | (layer_idx > layer)  # [q, 1]
+    # A pruned key is hidden from prompt queries in the layers after its stage's layer, and from
+    # generated queries in every layer.
+    is_generated = (q_pos >= s_prompt)[None]  # [1, q, 1]
+    hide = torch.where(is_generated, pruned_cols[:, None, :], hidden_cols[:, None, :])  # [B, q, kv]
     allowed = (k_pos <= q_pos)[None] & pad_cols[:, None, :]  # [B, q, kv]; static cache: j > q_pos hidden
-    allowed &= ~(pruned_cols[:, None, :] & hide_for_query[None])
+    allowed &= ~hide
 
     # Rows with nothing to attend to (padding queries) would give NaN (softmax of all -inf, e.g.
     # eager attention casts a float64 mask to float32). Let them attend to themselves: their output
@@ -74,13 +82,12 @@ def _oracle_mask(
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
 
 
-@contextmanager
 def masked_reference(
     model: nn.Module,
     layer: int,
     pruned: torch.BoolTensor,
     attention_mask_2d: torch.Tensor | None = None,
-) -> Iterator[None]:
+):
     """Make ``model`` behave as if the ``pruned`` prompt tokens were physically removed after ``layer``.
 
     Args:
@@ -95,10 +102,26 @@ def masked_reference(
     with eager or sdpa attention: the mask is rebuilt from the cache length at every layer call, so
     nothing is carried between calls. Hooks are removed on exit.
     """
+    return staged_reference(model, [(layer, pruned)], attention_mask_2d)
+
+
+@contextmanager
+def staged_reference(
+    model: nn.Module,
+    stages: Sequence[tuple[int, torch.BoolTensor]],
+    attention_mask_2d: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """``masked_reference`` for pruning in stages: each (L, pruned) hides its ``pruned`` columns from
+    prompt queries of layers after L (L = -1: from every layer), and from every generated query."""
     layers = model.model.language_model.layers
+    first = stages[0][1]
+    last_seen = torch.full(first.shape, KEPT, dtype=torch.long)
+    for layer, pruned in stages:
+        assert pruned.shape == first.shape, (pruned.shape, first.shape)
+        last_seen = torch.where(pruned.cpu() & (last_seen == KEPT), layer, last_seen)
     if attention_mask_2d is None:
-        attention_mask_2d = torch.ones_like(pruned, dtype=torch.long)
-    assert pruned.shape == attention_mask_2d.shape, (pruned.shape, attention_mask_2d.shape)
+        attention_mask_2d = torch.ones_like(first, dtype=torch.long)
+    assert first.shape == attention_mask_2d.shape, (first.shape, attention_mask_2d.shape)
 
     def hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], layer_idx: int
@@ -113,10 +136,9 @@ def masked_reference(
             kv_len = int(cache.get_mask_sizes(q_len, layer_idx)[0])
         device = hidden.device
         kwargs["attention_mask"] = _oracle_mask(
-            pruned.to(device=device, dtype=torch.bool),
-            attention_mask_2d.to(device=device).bool(),
+            last_seen.to(device),
+            attention_mask_2d.to(device).bool(),
             layer_idx,
-            layer,
             past,
             q_len,
             kv_len,

@@ -206,19 +206,18 @@ def test_negative_controls_are_caught(family, monkeypatch):
         ref = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     torch.testing.assert_close(torch.stack(good.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
 
-    original = PruningEngine._on_pruned_layer_call
+    original = PruningEngine._gather_layer_inputs
 
-    def renumbered(self, module, args, kwargs):
+    def renumbered(self, prefill, kwargs):
         """Negative control: layers after L get positions 0..S'-1 instead of the kept tokens' own."""
         full = kwargs["position_embeddings"]
-        out = original(self, module, args, kwargs)
-        if out is not None and full[0].shape[1] == batch.seq_len:
-            n = out[1]["position_embeddings"][0].shape[1]
-            out[1]["position_embeddings"] = (full[0][:, :n], full[1][:, :n])
-        return out
+        original(self, prefill, kwargs)
+        if full[0].shape[1] == batch.seq_len:
+            n = kwargs["position_embeddings"][0].shape[1]
+            kwargs["position_embeddings"] = (full[0][:, :n], full[1][:, :n])
 
     with monkeypatch.context() as patch:
-        patch.setattr(PruningEngine, "_on_pruned_layer_call", renumbered)
+        patch.setattr(PruningEngine, "_gather_layer_inputs", renumbered)
         with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
             bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6

@@ -8,21 +8,27 @@ handle.remove()                   # the stock model again
 
 from priortr.adapters import register_adapter, supported_model_types
 from priortr.api import PruningHandle, apply
-from priortr.engine import PruneResult, PruningSkippedWarning
+from priortr.engine import PruneResult, PruningSkippedWarning, StageResult
+from priortr.methods import MethodInfo, available_methods, get_method, register_method
 from priortr.scoring import Evidence, available_rules, get_rule, register_rule
-
-available_methods = available_rules
+from priortr.selection import Selection, StageInputs
 
 __all__ = [
     "Evidence",
+    "MethodInfo",
     "PruneResult",
     "PruningHandle",
     "PruningSkippedWarning",
+    "Selection",
+    "StageInputs",
+    "StageResult",
     "apply",
     "available_methods",
     "available_rules",
+    "get_method",
     "get_rule",
     "register_adapter",
+    "register_method",
     "register_rule",
     "supported_model_types",
 ]

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
 from priortr.adapters import adapter_for
-from priortr.engine import HEAD_AGGREGATIONS, POSTERIOR_ROWS, PruneResult, PruningConfig, PruningEngine
-from priortr.scoring import get_rule, resolve_budget
+from priortr.engine import (
+    DEFAULT_LAYER,
+    HEAD_AGGREGATIONS,
+    POSTERIOR_ROWS,
+    PruneResult,
+    PruningConfig,
+    PruningEngine,
+)
+from priortr.methods import MethodInfo, get_method
+from priortr.scoring import resolve_budget
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -48,8 +58,10 @@ def apply(
     model: nn.Module,
     method: str = "priortr",
     budget: int | float = 64,
-    layer: int = 2,
+    layer: int | None = None,
     *,
+    stages: Sequence[tuple[int, int | float]] | None = None,
+    options: Mapping[str, Any] | None = None,
     heads: str = "mean",
     posterior_rows: str = "after_separator",
     separator_offset: int = 0,
@@ -60,27 +72,35 @@ def apply(
 
     Args:
         model: a supported ``*ForConditionalGeneration`` (see ``priortr.supported_model_types()``).
-        method: a scoring rule by name (``priortr.available_methods()``); ``priortr`` is the paper's Eq. (8),
-            P * log((P + eps) / (Q + eps)).
+        method: a method by name (``priortr.available_methods()``, ``priortr methods``); ``priortr`` is
+            the paper's Eq. (8), P * log((P + eps) / (Q + eps)).
         budget: visual tokens kept per image: an int count K, or a ratio in (0, 1) of the image's
             tokens. A budget covering every token leaves outputs bit-identical to the stock model.
-        layer: 0-indexed decoder layer whose attention is scored, in [0, num_layers - 2]; layers
-            ``layer + 1 ..`` run on the kept tokens and the KV cache of layers ``0 .. layer`` is pruned.
-        heads: head aggregation, ``mean`` (paper) or ``max``.
+        layer: for one-layer methods, the 0-indexed decoder layer that is scored, in
+            [0, num_layers - 2] (default 2); layers ``layer + 1 ..`` run on the kept tokens and the KV
+            cache of layers ``0 .. layer`` is pruned. Methods that prune before the language model or
+            follow their own schedule take no layer.
+        stages: (scored layer, budget) pairs, layers increasing, budgets not increasing, that replace
+            a decoder-layer method's stages (e.g. PriorTR in a custom multi-stage schedule).
+        options: the method's knobs by name (``priortr methods`` lists them with their defaults).
+        heads: head aggregation of attention, ``mean`` (paper) or ``max``.
         posterior_rows: rows averaged into P: ``after_separator`` (every prompt token after the
             separator), ``from_separator`` (the separator too), or ``last``.
         separator_offset: the prior is read this many tokens after the first post-image token.
         strict: raise instead of warning when a prompt has nothing to prune.
-        seed: seed of the ``random`` rule.
+        seed: seed of random choices (the ``random`` rule, K-means initialisation).
     """
     adapter = adapter_for(model)
-    rule = get_rule(method)
+    info = get_method(method)
     resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
     n_layers = len(adapter.decoder_layers(model))
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n_layers - 2:
+    layer = _check_layer(info, layer, n_layers)
+    stages = _check_stages(info, stages, n_layers)
+    options = _check_options(info, options)
+    if "vision" in info.needs and adapter.vision_probe(model) is None:
         raise ValueError(
-            f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "
-            f"(the scored layer must have a layer after it); got {layer!r}"
+            f"{method} ranks by the vision tower's [CLS] attention, and this {adapter.name} model's vision "
+            "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"
         )
     if heads not in HEAD_AGGREGATIONS:
         raise ValueError(f"heads must be one of {', '.join(HEAD_AGGREGATIONS)}; got {heads!r}")
@@ -91,9 +111,11 @@ def apply(
     if model in _ATTACHED:
         raise ValueError("this model already has priortr attached; call .remove() on that handle first")
     config = PruningConfig(
-        rule=rule,
+        method=info,
         budget=budget,
         layer=layer,
+        stages=stages,
+        options=options,
         heads=heads,
         posterior_rows=posterior_rows,
         separator_offset=separator_offset,
@@ -105,3 +127,59 @@ def apply(
     handle = PruningHandle(engine)
     _ATTACHED[model] = handle
     return handle
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
+    if info.where != "layer":
+        if layer is not None:
+            where = "before the language model" if info.where == "vision" else "on its own schedule of layers"
+            raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
+        return DEFAULT_LAYER
+    layer = DEFAULT_LAYER if layer is None else layer
+    if not _is_int(layer) or not 0 <= layer <= n_layers - 2:
+        raise ValueError(
+            f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "
+            f"(the scored layer must have a layer after it); got {layer!r}"
+        )
+    return layer
+
+
+def _check_stages(
+    info: MethodInfo, stages: Sequence[tuple[int, int | float]] | None, n_layers: int
+) -> tuple[tuple[int, int | float], ...] | None:
+    if stages is None:
+        return None
+    if info.where == "vision":
+        raise ValueError(f"{info.name} prunes before the language model; it takes no stages")
+    stages = tuple(tuple(stage) for stage in stages)
+    if not stages or any(len(stage) != 2 for stage in stages):
+        raise ValueError(f"stages must be a non-empty list of (layer, budget) pairs; got {stages!r}")
+    layers = [stage[0] for stage in stages]
+    if not all(_is_int(layer) and 0 <= layer <= n_layers - 2 for layer in layers) or layers != sorted(
+        set(layers)
+    ):
+        raise ValueError(
+            f"stage layers must be strictly increasing ints in [0, {n_layers - 2}]; got {layers}"
+        )
+    for _, budget in stages:
+        resolve_budget(budget, n_visual=1 << 30)
+    counts = [resolve_budget(budget, n_visual=1000) for _, budget in stages]
+    if counts != sorted(counts, reverse=True) or len({type(budget) for _, budget in stages}) != 1:
+        raise ValueError(
+            "stage budgets must all be counts or all ratios, and must not increase; "
+            f"got {[budget for _, budget in stages]}"
+        )
+    return stages
+
+
+def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(info.knobs))
+    if unknown:
+        known = ", ".join(f"{name}={default!r}" for name, default in info.knobs.items()) or "none"
+        raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
+    return options

@@ -27,7 +27,7 @@ from torch import nn
 import priortr
 from priortr.adapters import adapter_for
 from priortr.configs import load_config
-from priortr.flops import kv_cache_bytes, llm_prefill_flops
+from priortr.flops import kv_cache_bytes, scheduled_prefill_flops
 
 VANILLA = "vanilla"
 
@@ -119,12 +119,14 @@ class Clock:
 
 
 @contextmanager
-def timing_hooks(model: nn.Module, clock_ref: list[Clock], scored_layer: int | None) -> Iterator[None]:
-    """Marks around the image path, the language model and (if pruning) the scoring + surgery step,
-    i.e. from the end of layer L's own computation to the start of layer L+1's."""
+def timing_hooks(model: nn.Module, clock_ref: list[Clock], stage_layers: Sequence[int]) -> Iterator[None]:
+    """Marks around the image path, the language model and each pruning stage's scoring + surgery:
+    from the end of layer L's own computation to the start of layer L+1's, or for a stage before the
+    language model (L = -1) the engine's work in front of layer 0."""
     adapter = adapter_for(model)
     first, last = adapter.vision_modules(model)
     language = adapter.language_model(model)
+    layers = adapter.decoder_layers(model)
 
     def at(name: str) -> Callable[..., None]:
         return lambda *_: clock_ref[0].mark(name)
@@ -135,10 +137,14 @@ def timing_hooks(model: nn.Module, clock_ref: list[Clock], scored_layer: int | N
         language.register_forward_pre_hook(at("lm_start")),
         language.register_forward_hook(at("lm_end")),
     ]
-    if scored_layer is not None:
-        layers = adapter.decoder_layers(model)
-        handles.append(layers[scored_layer].register_forward_hook(at("score_start"), prepend=True))
-        handles.append(layers[scored_layer + 1].register_forward_pre_hook(at("score_end")))
+    for stage, layer in enumerate(stage_layers):
+        start, end = f"score_start_{stage}", f"score_end_{stage}"
+        if layer < 0:
+            handles.append(layers[0].register_forward_pre_hook(at(start), prepend=True))
+            handles.append(layers[0].register_forward_pre_hook(at(end)))
+        else:
+            handles.append(layers[layer].register_forward_hook(at(start), prepend=True))
+            handles.append(layers[layer + 1].register_forward_pre_hook(at(end)))
     try:
         yield
     finally:
@@ -208,22 +214,27 @@ def run_case(
     inputs: dict[str, torch.Tensor],
     method: str,
     budget: int | None,
-    layer: int,
     warmup: int,
     repeats: int,
     new_tokens: int,
     decode_repeats: int,
+    layer: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Prefill timings, KV bytes, and end-to-end greedy generation for one configuration."""
+    """Prefill timings, KV bytes, and end-to-end greedy generation for one configuration; ``layer`` is
+    passed to one-layer methods only."""
     device = model.device
-    pruning = (
-        nullcontext()
-        if method == VANILLA
-        else priortr.apply(model, method=method, budget=budget, layer=layer)
-    )
+    if method == VANILLA:
+        pruning = nullcontext()
+    else:
+        layer = layer if priortr.get_method(method).where == "layer" else None
+        pruning = priortr.apply(model, method=method, budget=budget, layer=layer, options=options)
+    n_visual = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+    n_layers = len(adapter_for(model).decoder_layers(model))
+    stages = [] if method == VANILLA else pruning.config.plan(n_visual, n_layers)
     clock_ref = [Clock(device)]
     lm, vision, overhead = [], [], []
-    with pruning, timing_hooks(model, clock_ref, None if method == VANILLA else layer):
+    with pruning, timing_hooks(model, clock_ref, [layer for layer, _ in stages]):
         for step in range(warmup + repeats):
             clock_ref[0] = Clock(device)
             output = model(**inputs, use_cache=True, logits_to_keep=1)
@@ -232,8 +243,10 @@ def run_case(
             clock = clock_ref[0]
             lm.append(clock.elapsed_ms("lm_start", "lm_end"))
             vision.append(clock.elapsed_ms("vision_start", "vision_end"))
-            if method != VANILLA:
-                overhead.append(clock.elapsed_ms("score_start", "score_end"))
+            if stages:
+                overhead.append(
+                    sum(clock.elapsed_ms(f"score_start_{i}", f"score_end_{i}") for i in range(len(stages)))
+                )
         cache = output.past_key_values
         kv_bytes = sum(
             t.numel() * t.element_size() for layer_ in cache.layers for t in (layer_.keys, layer_.values)
@@ -250,6 +263,7 @@ def run_case(
         "samples_per_s": batch / statistics.median(decode),
         "tokens_per_s": batch * new_tokens / statistics.median(decode),
         "peak_memory_bytes": peak,
+        "stages": stages,
     }
 
 
@@ -289,7 +303,8 @@ def run_bench(
     methods: Sequence[str],
     budgets: Sequence[int],
     batch_sizes: Sequence[int],
-    layer: int = 2,
+    layer: int | None = None,
+    options: dict[str, Any] | None = None,
     text_tokens: int = 48,
     new_tokens: int = 32,
     warmup: int = 3,
@@ -317,9 +332,11 @@ def run_bench(
         n_visual = int((inputs["input_ids"][0] == config.image_token_id).sum())
         kept = n_visual if budget is None else min(budget, n_visual)
         seq = inputs["input_ids"].shape[1]
-        measured = run_case(model, inputs, method, budget, layer, warmup, repeats, new_tokens, decode_repeats)
-        full_layers = config.text_config.num_hidden_layers if budget is None else layer + 1
-        flops = batch * llm_prefill_flops(config, seq, seq - n_visual + kept, full_layers, exact=True)
+        measured = run_case(
+            model, inputs, method, budget, warmup, repeats, new_tokens, decode_repeats, layer, options
+        )
+        stages = measured.pop("stages")
+        flops = batch * scheduled_prefill_flops(config, seq - n_visual, n_visual, stages, exact=True)
         expected_kv = kv_cache_bytes(config, seq - n_visual + kept, dtype.itemsize, batch, pruned_from=None)
         case = CaseResult(
             method=method,

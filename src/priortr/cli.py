@@ -9,6 +9,7 @@ transformers, and reports what the API returns.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import logging
@@ -34,6 +35,36 @@ def parse_budget(text: str) -> int | float:
         return int(text) if re.fullmatch(r"[+-]?\d+", text.strip()) else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``name=value`` with a Python literal value (``pivots=8``, ``adaptive=True``), or a plain string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"an option is name=value, got {text!r}")
+    try:
+        return name.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return name.strip(), value.strip()
+
+
+def parse_stage(text: str) -> tuple[int, int | float]:
+    """``layer:budget``, e.g. ``7:288``."""
+    layer, sep, budget = text.partition(":")
+    if not sep or not re.fullmatch(r"[+-]?\d+", layer.strip()):
+        raise argparse.ArgumentTypeError(f"a stage is layer:budget (e.g. 7:288), got {text!r}")
+    return int(layer), parse_budget(budget)
+
+
+def pruning_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``priortr.apply`` keywords shared by the commands that prune."""
+    return {
+        "method": args.method,
+        "budget": args.budget,
+        "layer": args.layer,
+        "stages": args.stages,
+        "options": dict(args.option or []),
+    }
 
 
 class PrefillTimer:
@@ -90,11 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
     processor, model = load(args.model, args.dtype, args.device)
     inputs = viz.chat_inputs(processor, image, args.prompt, model)
-    pruning = (
-        contextlib.nullcontext()
-        if args.no_prune
-        else priortr.apply(model, method=args.method, budget=args.budget, layer=args.layer)
-    )
+    pruning = contextlib.nullcontext() if args.no_prune else priortr.apply(model, **pruning_arguments(args))
     with pruning as handle, torch.inference_mode():
         timer = PrefillTimer(model)
         try:
@@ -109,8 +136,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif last is None:
         print("visual tokens kept: all (the prompt had nothing to prune)")
     else:
-        print(f"visual tokens kept: {last.kept.shape[-1]} / {last.scores.shape[-1]}")
+        print(f"visual tokens kept: {last.kept.shape[-1]} / {last.n_visual}")
     print(f"prefill: {timer.ms:.1f} ms")
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    """List every method: the name ``--method`` takes, where it prunes, its knobs and its source paper."""
+    where = {
+        "vision": "before the LLM",
+        "layer": "after decoder layer L",
+        "layers": "after several decoder layers",
+    }
+    rows = []
+    for name in priortr.available_methods():
+        info = priortr.get_method(name)
+        knobs = ", ".join(f"{knob}={default!r}" for knob, default in info.knobs.items())
+        rows.append({"name": name, "where": where[info.where], "knobs": knobs, "source": info.source})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    widths = {key: max(len(key), *(len(row[key]) for row in rows)) for key in ("name", "where")}
+    for row in rows:
+        print(f"{row['name']:<{widths['name']}}  {row['where']:<{widths['where']}}  {row['source']}")
+        if row["knobs"]:
+            print(f"{'':<{widths['name']}}  options: {row['knobs']}")
     return 0
 
 
@@ -153,6 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.budgets,
         args.batch_sizes,
         layer=args.layer,
+        options=dict(args.option or []),
         text_tokens=args.text_tokens,
         new_tokens=args.new_tokens,
         warmup=args.warmup,
@@ -198,6 +249,18 @@ def cmd_viz(args: argparse.Namespace) -> int:
     return 0
 
 
+LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
+
+
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--layer``, ``--stages`` and ``--option``: where and how a method prunes."""
+    parser.add_argument("--layer", type=int, help=LAYER_HELP)
+    parser.add_argument(
+        "--stages", type=parse_stage, nargs="+", help="explicit stages layer:budget (e.g. 7:288 15:144)"
+    )
+    parser.add_argument("--option", type=parse_option, action="append", help="a method's knob, name=value")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one sub-parser per command, each dispatching to its ``cmd_*`` function."""
     parser = argparse.ArgumentParser(prog="priortr", description="Prior-corrected visual token pruning.")
@@ -209,15 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="hub id or local checkpoint directory")
     gen.add_argument("--image", required=True, help="path of the image file")
     gen.add_argument("--prompt", required=True, help="the question or instruction")
-    methods = ", ".join(priortr.available_methods())
-    gen.add_argument("--method", default="priortr", help=f"scoring rule: {methods}")
+    gen.add_argument("--method", default="priortr", help="a method of `priortr methods`")
     gen.add_argument("--budget", type=parse_budget, default=64, help="kept tokens: count, or ratio in (0, 1)")
-    gen.add_argument("--layer", type=int, default=2, help="0-indexed decoder layer whose attention is scored")
+    add_layer_arguments(gen)
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
+
+    listing = commands.add_parser("methods", help="list every method", description=cmd_methods.__doc__)
+    listing.add_argument("--json", action="store_true", help="print one JSON document")
+    listing.set_defaults(func=cmd_methods)
 
     fl = commands.add_parser("flops", help="analytic FLOPs per term", description=cmd_flops.__doc__)
     fl.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
@@ -241,9 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", nargs="+", help="default: vanilla and every method")
     bench.add_argument("--budgets", type=int, nargs="+", default=[192, 128, 64])
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    bench.add_argument(
-        "--layer", type=int, default=2, help="0-indexed decoder layer whose attention is scored"
-    )
+    bench.add_argument("--layer", type=int, help=LAYER_HELP)
+    bench.add_argument("--option", type=parse_option, action="append", help="a method's knob, name=value")
     bench.add_argument("--text-tokens", type=int, default=48, help="text tokens around the image")
     bench.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sample")
     bench.add_argument("--warmup", type=int, default=3)
@@ -266,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     viz.add_argument("--model", required=True, help="hub id or local checkpoint directory")
     viz.add_argument("--image", required=True, help="path of the image file")
     viz.add_argument("--prompt", required=True, help="the question or instruction")
-    viz.add_argument("--method", default="priortr", help=f"scoring rule: {methods}")
+    viz.add_argument("--method", default="priortr", help="a scoring-rule method of `priortr methods`")
     viz.add_argument("--layers", type=int, nargs="+", default=[2], help="0-indexed scored layers, a row each")
     viz.add_argument(
         "--budgets",

@@ -3,13 +3,15 @@
 It attaches PyTorch module hooks to a stock transformers model (no copied modeling code) and, during
 the prefill of a prompt with an image:
 
-1. records the image span from ``input_ids`` (the separator is the slot right after it, Appendix A.3);
-2. at decoder layer L (0-indexed) captures the layer's query/key projections and recomputes only the
-   rows from the separator on (``probe.attention_rows``), builds prior/posterior evidence and scores
-   every visual token with the chosen rule;
-3. keeps the top-K visual tokens: the output hidden states of layer L and the KV cache of layers
-   0..L are gathered, and layers L+1.. receive gathered RoPE (cos, sin) and masks, so kept tokens
-   keep their original positions (paper Algorithm 1, Phase 3);
+1. records the image span from ``input_ids`` (the separator is the slot right after it, Appendix A.3)
+   and plans the method's stages: before the language model, after one decoder layer, or after
+   several (``priortr.methods``);
+2. at each stage gathers the evidence the method asks for: attention rows recomputed from the scored
+   layer's own query/key projections (``probe.attention_rows``), the visual tokens' hidden states,
+   the vision tower's [CLS] attention, and calls the method's selector;
+3. keeps the selected visual tokens (merging hidden states where the selector says so): the hidden
+   states, the KV cache of layers 0..L are gathered, and later layers receive gathered RoPE (cos, sin)
+   and masks, so kept tokens keep their original positions (paper Algorithm 1, Phase 3);
 4. remembers, per cache object, which prompt columns were dropped, so that decode steps and later
    chat turns on the same cache get masks and positions that match the shorter cache.
 """
@@ -28,12 +30,18 @@ from torch import nn
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
-from priortr.probe import RowSpec, apply_rope, attention_rows
-from priortr.scoring import RuleInfo, build_evidence, resolve_budget, select_top_k
+from priortr.methods import MethodInfo
+from priortr.probe import RowSpec, apply_rope, attention_rows, cls_attention
+from priortr.scoring import Evidence, aggregate_heads, build_evidence, resolve_budget
+from priortr.selection import Selection, StageInputs
 from priortr.surgery import compact_cache_layer, drop_columns, gather_sequence
 
 POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
 HEAD_AGGREGATIONS = ("mean", "max")
+BEFORE_LLM = -1
+"""The stage layer of methods that prune the language model's input embeddings (``where='vision'``)."""
+DEFAULT_LAYER = 2
+"""The decoder layer one-layer methods score unless told otherwise (the paper scores early, Sec. 4)."""
 
 
 class PruningSkippedWarning(UserWarning):
@@ -44,21 +52,48 @@ class PruningSkippedWarning(UserWarning):
 class PruningConfig:
     """What to prune and how; validated by ``priortr.apply``.
 
-    ``layer`` is the 0-indexed decoder layer whose attention is scored; layers ``layer+1 ..`` run on
-    the kept tokens (the authors' code calls this "prune layer layer+1"). ``posterior_rows`` chooses
-    the rows averaged into P: every prompt token after the separator (default), the separator too (as
-    the authors' code does), or the last prompt token only. ``separator_offset`` moves the prior's slot
-    that many tokens after the first post-image token (the paper's null-token ablation).
+    ``layer`` is the 0-indexed decoder layer whose attention is scored by a one-layer method; layers
+    ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1").
+    ``stages`` replaces the method's schedule by explicit (scored layer, budget) pairs, the budgets
+    counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs.
+    ``posterior_rows`` chooses the rows averaged into P: every prompt token after the separator
+    (default), the separator too (as the authors' code does), or the last prompt token only.
+    ``separator_offset`` moves the prior's slot that many tokens after the first post-image token
+    (the paper's null-token ablation).
     """
 
-    rule: RuleInfo
+    method: MethodInfo
     budget: int | float
     layer: int
+    stages: tuple[tuple[int, int | float], ...] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     heads: str = "mean"
     posterior_rows: str = "after_separator"
     separator_offset: int = 0
     strict: bool = False
     seed: int = 0
+
+    def plan(self, n_visual: int, n_layers: int) -> list[tuple[int, int]]:
+        """The (layer, tokens kept after it) stages for an image of ``n_visual`` tokens."""
+        if self.stages is not None:
+            return [(layer, resolve_budget(budget, n_visual)) for layer, budget in self.stages]
+        kept = resolve_budget(self.budget, n_visual)
+        if self.method.schedule is not None:
+            return self.method.schedule(kept, n_visual, self.layer, n_layers)
+        return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """One stage of a pruned prefill: the scored layer (-1: before the LLM) and what survived it.
+
+    ``kept`` [B, K] holds absolute prompt positions, ascending; ``merged`` says whether survivors
+    carry merged hidden states.
+    """
+
+    layer: int
+    kept: torch.Tensor
+    merged: bool
 
 
 @dataclass(frozen=True)
@@ -66,21 +101,26 @@ class PruneResult:
     """What one pruned prefill kept, and why (``handle.last``).
 
     Attributes:
-        kept: [B, K] absolute prompt positions of the kept visual tokens, ascending.
-        prior, posterior, scores: [B, N] float32 Q, P and the rule's scores over the visual tokens.
+        kept: [B, K] absolute prompt positions of the visual tokens left after the last stage, ascending.
+        n_visual: visual tokens of each image before pruning (N).
+        prior, posterior, scores: [B, N] float32 Q, P and the rule's scores over the visual tokens at
+            the first stage, for methods that rank by a scoring rule; None otherwise.
         visual_start: [B] absolute position of each row's first visual token.
-        positions: [B, S'] original prompt position of every token left after layer L, i.e. of each row
-            of the logits that a plain forward returns.
+        positions: [B, S'] original prompt position of every token left after the last stage, i.e. of
+            each row of the logits that a plain forward returns.
         pruned: False when the budget covers every visual token (nothing was removed).
+        stages: every stage in order.
     """
 
     kept: torch.Tensor
-    prior: torch.Tensor
-    posterior: torch.Tensor
-    scores: torch.Tensor
+    n_visual: int
+    prior: torch.Tensor | None
+    posterior: torch.Tensor | None
+    scores: torch.Tensor | None
     visual_start: torch.Tensor
     positions: torch.Tensor
     pruned: bool
+    stages: tuple[StageResult, ...]
 
 
 @dataclass
@@ -95,30 +135,48 @@ class _CacheRecord:
 
 @dataclass
 class _Prefill:
-    """State of one prefill forward pass, from the model's pre-hook to its post-hook."""
+    """State of one prefill forward pass, from the model's pre-hook to its post-hook.
+
+    Positions are absolute prompt positions; ``index`` maps the current (shorter) sequence to them.
+    Text before the image is never dropped, so each row's visual tokens stay one run from ``start``.
+    """
 
     start: torch.Tensor  # [B] first visual position
     separator: torch.Tensor  # [B] prior row
     n_visual: int
-    budget: int
+    stages: list[tuple[int, int]]  # (layer, kept) still to run, in order
     key_valid: torch.Tensor  # [B, S] False on padding
     last_row: torch.Tensor  # [B] last non-padding position
     posterior_rows: str
     next_position: torch.Tensor  # [B]
-    captured: dict[str, Any] = field(default_factory=dict)
+    n_current: int = 0  # visual tokens left
     index: torch.Tensor | None = None  # [B, S'] once pruned
+    cache: Any = None
+    captured: dict[str, Any] = field(default_factory=dict)
+    done: list[StageResult] = field(default_factory=list)
+    first_scores: tuple[Evidence, torch.Tensor] | None = None
     memo: dict[int, Any] = field(default_factory=dict)
 
+    @property
+    def shift(self) -> int:
+        """Visual tokens dropped so far: every position after the image moved this far forward."""
+        return self.n_visual - self.n_current
+
+    def current_key_valid(self) -> torch.Tensor:
+        return self.key_valid if self.index is None else self.key_valid.gather(1, self.index)
+
+    def visual_columns(self) -> torch.Tensor:
+        """[B, N'] current positions of the visual tokens left."""
+        return self.start[:, None] + torch.arange(self.n_current, device=self.start.device)
+
     def posterior_valid(self, first_row: int, n_rows: int) -> torch.Tensor:
-        """[B, R] which of the rows ``first_row ..`` are averaged into P (see ``PruningConfig``)."""
+        """[B, R] which current rows ``first_row ..`` are averaged into P (see ``PruningConfig``)."""
         position = torch.arange(first_row, first_row + n_rows, device=self.key_valid.device)[None]  # [1, R]
         if self.posterior_rows == "last":
-            return position == self.last_row[:, None]
-        if self.posterior_rows == "after_separator":
-            after = position > self.separator[:, None]
-        else:
-            after = position >= self.separator[:, None]
-        return after & self.key_valid[:, first_row:]
+            return position == (self.last_row - self.shift)[:, None]
+        separator = (self.separator - self.shift)[:, None]
+        after = position > separator if self.posterior_rows == "after_separator" else position >= separator
+        return after & self.current_key_valid()[:, first_row:]
 
 
 def _has_visual_inputs(call: dict) -> bool:
@@ -129,8 +187,19 @@ def _has_visual_inputs(call: dict) -> bool:
     )
 
 
+def _hidden_argument(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _replace_hidden_argument(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    kwargs["hidden_states"] = hidden
+    return args, kwargs
+
+
 class PruningEngine:
-    """Hooks PriorTR-style physical pruning into one model; ``detach()`` restores it exactly."""
+    """Hooks physical visual-token pruning into one model; ``detach()`` restores it exactly."""
 
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, config: PruningConfig) -> None:
         self.model = model
@@ -138,33 +207,42 @@ class PruningEngine:
         self.config = config
         self.multimodal = adapter.multimodal_model(model)
         self.layers = adapter.decoder_layers(model)
-        self.attention = adapter.attention(self.layers[config.layer])
+        self.vision = adapter.vision_probe(model) if "vision" in config.method.needs else None
         self.last: PruneResult | None = None
         self._signature = inspect.signature(self.multimodal.forward)
         self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._prefill: _Prefill | None = None
+        self._vision_capture: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self) -> None:
-        layer = self.layers[self.config.layer]
         self._handles = [
             self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
             self.multimodal.register_forward_hook(self._on_model_return),
-            layer.register_forward_pre_hook(self._on_scoring_layer_call, with_kwargs=True),
-            self.adapter.query_projection(self.attention).register_forward_hook(self._capture("queries")),
-            self.adapter.key_projection(self.attention).register_forward_hook(self._capture("keys")),
-            layer.register_forward_hook(self._on_scoring_layer_return),
         ]
-        for later in self.layers[self.config.layer + 1 :]:
-            self._handles.append(
-                later.register_forward_pre_hook(self._on_pruned_layer_call, with_kwargs=True)
-            )
+        for index, layer in enumerate(self.layers):
+            attention = self.adapter.attention(layer)
+            self._handles += [
+                layer.register_forward_pre_hook(self._layer_call_hook(index), with_kwargs=True),
+                layer.register_forward_hook(self._layer_return_hook(index)),
+            ]
+            if "attention" in self.config.method.needs:
+                self._handles += [
+                    self.adapter.query_projection(attention).register_forward_hook(self._capture(index, "q")),
+                    self.adapter.key_projection(attention).register_forward_hook(self._capture(index, "k")),
+                ]
+        if self.vision is not None:
+            self._handles += [
+                self.vision.query_projection.register_forward_hook(self._capture_vision("q")),
+                self.vision.key_projection.register_forward_hook(self._capture_vision("k")),
+            ]
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._prefill = None
+        self._vision_capture = {}
 
     # -- model entry: prefill or continuation -------------------------------------------------------
 
@@ -179,11 +257,14 @@ class PruningEngine:
             if record is not None:
                 self._continue(call, cache, record)
             return (), call
+        if any(call.get(key) is not None for key in ("pixel_values", "pixel_values_videos")):
+            self._vision_capture = {}  # the tower runs inside this call; generate() runs it before
         self._prefill = self._plan(call)
         return (), call
 
     def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._prefill = None
+        self._vision_capture = {}
 
     def _plan(self, call: dict) -> _Prefill | None:
         """Find the image span of every row and check that the prompt can be pruned."""
@@ -214,19 +295,25 @@ class PruningEngine:
             raise ValueError(
                 "a prompt holds several images (or a split image span); priortr prunes one image per prompt"
             )
+        needs_attention = "attention" in self.config.method.needs
         separator = start + n_visual + self.config.separator_offset
-        if int(separator.max()) >= seq:
+        if needs_attention and int(separator.max()) >= seq:
             raise ValueError(
                 f"the image ends the prompt: the separator slot ({self.adapter.separator_token}, offset "
                 f"{self.config.separator_offset}) does not exist. Put the instruction after the image"
             )
         key_valid = compat.padding_mask(call.get("attention_mask"), batch, seq, input_ids.device)
-        if not bool(key_valid.gather(1, separator[:, None]).all()):
+        separator = separator.clamp(max=seq - 1)
+        if needs_attention and not bool(key_valid.gather(1, separator[:, None]).all()):
             raise ValueError(
                 "the separator slot after the image is a padding token; check the attention mask"
             )
         last_row = seq - 1 - key_valid.flip(1).int().argmax(dim=1)  # [B] last non-padding position
-        if self.config.posterior_rows == "after_separator" and bool((separator >= last_row).any()):
+        if (
+            needs_attention
+            and self.config.posterior_rows == "after_separator"
+            and bool((separator >= last_row).any())
+        ):
             raise ValueError(
                 "no instruction token follows the separator, so there is no posterior to score with; put the "
                 "question after the image, or use posterior_rows='from_separator'"
@@ -236,16 +323,21 @@ class PruningEngine:
             next_position = torch.full((batch,), seq, device=input_ids.device)
         else:
             next_position = text_positions.amax(dim=-1).expand(batch) + 1
-        return _Prefill(
+        prefill = _Prefill(
             start=start,
             separator=separator,
             n_visual=n_visual,
-            budget=resolve_budget(self.config.budget, n_visual),
+            n_current=n_visual,
+            stages=self.config.plan(n_visual, len(self.layers)),
             key_valid=key_valid,
             last_row=last_row,
             posterior_rows=self.config.posterior_rows,
             next_position=next_position,
         )
+        if not prefill.stages:  # the budget covers every visual token
+            self._finish(prefill)
+            return None
+        return prefill
 
     @staticmethod
     def _contiguous(is_visual: torch.Tensor, start: torch.Tensor, n_visual: int) -> bool:
@@ -305,103 +397,60 @@ class PruningEngine:
         record.logical_length += n_in
         record.next_position = record.next_position + n_in
 
-    # -- scoring layer -----------------------------------------------------------------------------
+    # -- decoder layers ----------------------------------------------------------------------------
 
-    def _on_scoring_layer_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        prefill = self._prefill
-        if prefill is None:
-            return
-        cache = kwargs.get("past_key_values")
-        if cache is not None:
-            compat.check_prunable_cache(cache, self.config.layer)
-        prefill.captured["cache"] = cache
-        prefill.captured["rope"] = kwargs["position_embeddings"]
-
-    def _capture(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if self._prefill is not None:
-                self._prefill.captured[name] = output
+    def _layer_call_hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            prefill = self._prefill
+            if prefill is None:
+                return None
+            if layer == 0 and prefill.stages and prefill.stages[0][0] == BEFORE_LLM:
+                prefill.cache = kwargs.get("past_key_values")
+                hidden = self._run_stage(prefill, _hidden_argument(args, kwargs))
+                args, kwargs = _replace_hidden_argument(args, kwargs, hidden)
+                if not prefill.stages:
+                    self._finish(prefill)
+            if prefill.index is not None:
+                self._gather_layer_inputs(prefill, kwargs)
+            if prefill.stages and prefill.stages[0][0] == layer:
+                cache = kwargs.get("past_key_values")
+                if cache is not None:
+                    compat.check_prunable_cache(cache, layer)
+                prefill.cache = cache
+                prefill.captured["rope"] = kwargs["position_embeddings"]
+                prefill.captured["attention"] = self.adapter.attention(module)
+            return args, kwargs
 
         return hook
 
-    def _on_scoring_layer_return(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        prefill = self._prefill
-        if prefill is None:
-            return None
-        kept, evidence, scores = self._score(prefill)
-        batch, seq = prefill.key_valid.shape
-        keep = torch.ones(batch, seq, dtype=torch.bool, device=kept.device)
-        visual = prefill.start[:, None] + torch.arange(prefill.n_visual, device=kept.device)  # [B, N]
-        keep.scatter_(1, visual, False)
-        keep.scatter_(1, kept, True)
-        index = keep.nonzero()[:, 1].view(batch, -1)  # [B, S']
-        pruned = prefill.budget < prefill.n_visual
-        self.last = PruneResult(
-            kept=kept,
-            prior=evidence.prior,
-            posterior=evidence.posterior,
-            scores=scores,
-            visual_start=prefill.start,
-            positions=index if pruned else torch.arange(seq, device=kept.device).expand(batch, seq),
-            pruned=pruned,
-        )
-        if not pruned:
-            self._prefill = None
-            return None
-        prefill.index = index
-        cache = prefill.captured["cache"]
-        if cache is not None:
-            static = compat.is_static_cache(cache)
-            for layer in compat.cache_layers(cache)[: self.config.layer + 1]:
-                compact_cache_layer(layer, index, seq, static)
-            self._records[cache] = _CacheRecord(
-                keep=keep,
-                dropped=prefill.n_visual - prefill.budget,
-                logical_length=seq,
-                next_position=prefill.next_position,
-            )
-        prefill.captured.clear()
-        return compat.map_hidden_states(output, lambda hidden: gather_sequence(hidden, index))
+    def _layer_return_hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            prefill = self._prefill
+            if prefill is None or not prefill.stages or prefill.stages[0][0] != layer:
+                return None
+            new_output = compat.map_hidden_states(output, lambda hidden: self._run_stage(prefill, hidden))
+            if not prefill.stages:
+                self._finish(prefill)
+            return new_output
 
-    @torch.no_grad()
-    def _score(self, prefill: _Prefill):
-        """Prior, posterior and scores from the rows after the image (Appendix A.3)."""
-        captured = prefill.captured
-        queries, keys = self.adapter.queries_and_keys(self.attention, captured["queries"], captured["keys"])
-        first = int(prefill.separator.min())
-        cos, sin = captured["rope"]
-        queries = apply_rope(queries[:, :, first:], cos[:, first:], sin[:, first:])  # [B, H, R, d]
-        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S, d]
-        attn = attention_rows(queries, keys, RowSpec(first, prefill.key_valid), self.attention.scaling)
-        batch, heads, n_rows, _ = attn.shape
-        n = prefill.n_visual
-        columns = prefill.start[:, None] + torch.arange(n, device=attn.device)  # [B, N]
-        visual = attn.gather(3, columns[:, None, None, :].expand(batch, heads, n_rows, n))  # [B, H, R, N]
+        return hook
 
-        def row(position: torch.Tensor) -> torch.Tensor:
-            at = (position - first)[:, None, None, None].expand(batch, heads, 1, n)
-            return visual.gather(2, at).squeeze(2)  # [B, H, N]
+    def _capture(self, layer: int, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            prefill = self._prefill
+            if prefill is not None and prefill.stages and prefill.stages[0][0] == layer:
+                prefill.captured[name] = output
 
-        evidence = build_evidence(
-            row(prefill.separator),
-            visual,
-            prefill.posterior_valid(first, n_rows),
-            row(prefill.last_row),
-            heads=self.config.heads,
-            seed=self.config.seed,
-        )
-        scores = self.config.rule.fn(evidence)
-        kept = prefill.start[:, None] + select_top_k(scores, prefill.budget)
-        return kept, evidence, scores
+        return hook
 
-    # -- layers after the prune --------------------------------------------------------------------
+    def _capture_vision(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            self._vision_capture[name] = output
 
-    def _on_pruned_layer_call(
-        self, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict] | None:
-        prefill = self._prefill
-        if prefill is None or prefill.index is None:
-            return None
+        return hook
+
+    def _gather_layer_inputs(self, prefill: _Prefill, kwargs: dict) -> None:
+        """RoPE and mask of a layer that runs on the kept tokens only."""
         seq = prefill.key_valid.shape[1]
         static = compat.is_static_cache(kwargs.get("past_key_values"))
         kwargs["position_embeddings"] = self._memo(
@@ -416,7 +465,6 @@ class PruningEngine:
         # through the gathered (cos, sin), so layers need no position ids.
         if "position_ids" in kwargs:
             kwargs["position_ids"] = None
-        return args, kwargs
 
     def _memo(self, value: Any, make: Callable[[Any], Any]) -> Any:
         if value is None:
@@ -426,3 +474,144 @@ class PruningEngine:
         if key not in memo:
             memo[key] = (value, make(value))  # the original is held so its id stays unique
         return memo[key][1]
+
+    # -- one pruning stage -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _run_stage(self, prefill: _Prefill, hidden: torch.Tensor) -> torch.Tensor:
+        """Select the visual tokens that survive this stage and cut everything else out of the sequence."""
+        layer, budget = prefill.stages.pop(0)
+        columns = prefill.visual_columns()  # [B, N']
+        visual_hidden = gather_sequence(hidden, columns)  # [B, N', D]
+        budget = min(budget, prefill.n_current)
+        selection = self._select(prefill, budget, visual_hidden)
+        prefill.captured.clear()
+        batch, seq = hidden.shape[:2]
+        kept = selection.kept.to(columns.device)
+        if kept.shape[0] != batch or kept.shape[1] > prefill.n_current:
+            raise ValueError(
+                f"method {self.config.method.name!r} kept {tuple(kept.shape)} visual tokens for a batch of "
+                f"{batch} images of {prefill.n_current} tokens"
+            )
+        if kept.shape[1] == prefill.n_current and selection.merge is None:
+            prefill.done.append(StageResult(layer, self._absolute(prefill, columns), merged=False))
+            return hidden
+        keep = torch.ones(batch, seq, dtype=torch.bool, device=columns.device)
+        keep.scatter_(1, columns, False)
+        keep.scatter_(1, prefill.start[:, None] + kept, True)
+        index = keep.nonzero()[:, 1].view(batch, -1)  # [B, S''] current positions kept
+        out = gather_sequence(hidden, index)
+        if selection.merge is not None:
+            dtype = torch.promote_types(hidden.dtype, torch.float32)
+            merged = torch.matmul(selection.merge.to(hidden.device, dtype), visual_hidden.to(dtype))
+            slots = prefill.start[:, None] + torch.arange(kept.shape[1], device=columns.device)  # [B, K]
+            out = out.scatter(
+                1, slots[..., None].expand(-1, -1, out.shape[-1]).to(out.device), merged.to(out.dtype)
+            )
+        if layer != BEFORE_LLM and prefill.cache is not None:
+            static = compat.is_static_cache(prefill.cache)
+            for cache_layer in compat.cache_layers(prefill.cache)[: layer + 1]:
+                compact_cache_layer(cache_layer, index, seq, static)
+        prefill.index = index if prefill.index is None else prefill.index.gather(1, index)
+        prefill.n_current = kept.shape[1]
+        prefill.memo.clear()
+        prefill.done.append(
+            StageResult(layer, self._absolute(prefill, prefill.visual_columns()), selection.merge is not None)
+        )
+        return out
+
+    def _select(self, prefill: _Prefill, budget: int, visual_hidden: torch.Tensor) -> Selection:
+        """Gather the evidence the method needs and ask its selector."""
+        method = self.config.method
+        evidence: dict[str, Any] = {}
+        if "attention" in method.needs:
+            evidence.update(self._attention_evidence(prefill))
+        if "vision" in method.needs:
+            evidence.update(self._vision_evidence(visual_hidden.shape[0], prefill.n_current))
+        inputs = StageInputs(budget=budget, hidden=visual_hidden, seed=self.config.seed, **evidence)
+        selection = method.select(inputs, **self.config.options)
+        if not prefill.done and inputs.attention is not None and selection.scores is not None:
+            prefill.first_scores = (inputs.attention, selection.scores)
+        return selection
+
+    def _attention_evidence(self, prefill: _Prefill) -> dict[str, Any]:
+        """Prior, posterior, last-token row and instruction rows from the rows after the image (App. A.3)."""
+        captured = prefill.captured
+        attention = captured["attention"]
+        queries, keys = self.adapter.queries_and_keys(attention, captured["q"], captured["k"])
+        first = int((prefill.separator - prefill.shift).min())
+        cos, sin = captured["rope"]
+        queries = apply_rope(queries[:, :, first:], cos[:, first:], sin[:, first:])  # [B, H, R, d]
+        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S, d]
+        attn = attention_rows(queries, keys, RowSpec(first, prefill.current_key_valid()), attention.scaling)
+        batch, heads, n_rows, _ = attn.shape
+        n = prefill.n_current
+        columns = prefill.visual_columns()  # [B, N]
+        visual = attn.gather(3, columns[:, None, None, :].expand(batch, heads, n_rows, n))  # [B, H, R, N]
+
+        def row(position: torch.Tensor) -> torch.Tensor:
+            at = (position - prefill.shift - first)[:, None, None, None].expand(batch, heads, 1, n)
+            return visual.gather(2, at).squeeze(2)  # [B, H, N]
+
+        valid = prefill.posterior_valid(first, n_rows)
+        evidence = build_evidence(
+            row(prefill.separator),
+            visual,
+            valid,
+            row(prefill.last_row),
+            heads=self.config.heads,
+            seed=self.config.seed,
+        )
+        text_rows = aggregate_heads(visual.transpose(1, 2).float(), self.config.heads)  # [B, R, N]
+        return {"attention": evidence, "text_rows": text_rows, "text_valid": valid}
+
+    def _vision_evidence(self, batch: int, n_visual: int) -> dict[str, Any]:
+        """The vision tower's [CLS] attention and keys over the visual tokens, captured when it ran."""
+        capture = self._vision_capture
+        if "q" not in capture or "k" not in capture:
+            raise ValueError(
+                f"method {self.config.method.name!r} needs the vision tower's attention, but the tower did "
+                "not run for this prompt; pass pixel_values (not precomputed image features)"
+            )
+        probe = self.vision
+        cls, keys = cls_attention(capture["q"], capture["k"], probe.heads, probe.scaling, probe.first_token)
+        if tuple(cls.shape) != (batch, n_visual):
+            raise ValueError(
+                f"the vision tower saw {tuple(cls.shape)} (images, tokens) but the prompt has {batch} x "
+                f"{n_visual} visual tokens; one image per prompt, with the processor's image size"
+            )
+        return {"vision_cls": cls, "vision_keys": keys}
+
+    @staticmethod
+    def _absolute(prefill: _Prefill, columns: torch.Tensor) -> torch.Tensor:
+        return columns if prefill.index is None else prefill.index.gather(1, columns)
+
+    def _finish(self, prefill: _Prefill) -> None:
+        """Publish ``last`` and remember the pruned cache once the last stage ran."""
+        batch, seq = prefill.key_valid.shape
+        device = prefill.start.device
+        pruned = prefill.index is not None
+        evidence, scores = prefill.first_scores or (None, None)
+        kept = prefill.done[-1].kept if prefill.done else prefill.visual_columns()
+        self.last = PruneResult(
+            kept=kept,
+            n_visual=prefill.n_visual,
+            prior=None if evidence is None else evidence.prior,
+            posterior=None if evidence is None else evidence.posterior,
+            scores=scores,
+            visual_start=prefill.start,
+            positions=prefill.index if pruned else torch.arange(seq, device=device).expand(batch, seq),
+            pruned=pruned,
+            stages=tuple(prefill.done),
+        )
+        if pruned and prefill.cache is not None:
+            keep = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+            keep.scatter_(1, prefill.index.to(device), True)
+            self._records[prefill.cache] = _CacheRecord(
+                keep=keep,
+                dropped=prefill.shift,
+                logical_length=seq,
+                next_position=prefill.next_position,
+            )
+        if not pruned:
+            self._prefill = None

@@ -47,6 +47,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr.configs import load_config
+from priortr.methods import pyramid_stages
 from priortr.scoring import resolve_budget
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
@@ -353,15 +354,27 @@ def priortr_schedule(kept: int, layer: int = DEFAULT_LAYER, name: str = "priortr
 
 
 def pyramid_drop_schedule(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> Schedule:
-    """PyramidDrop (Xing et al., CVPR 2025): ``stages`` equal stages (layers 8/16/24 of 32), each keeping a
-    ratio lambda of the previous one, lambda = (K / N)^(1 / (stages - 1)) so that the last stage keeps K;
-    each layer caches what it processed. This is the schedule the paper's PDrop KV-cache column implies."""
-    if stages < 2:
-        raise ValueError("PyramidDrop needs at least 2 stages")
-    ratio = (min(kept, n_visual) / n_visual) ** (1 / (stages - 1))
-    firsts = [n_layers * i // stages for i in range(1, stages)]
-    counts = [round(n_visual * ratio**i) for i in range(1, stages - 1)] + [min(kept, n_visual)]
-    return Schedule("pdrop", tuple(zip(firsts, counts, strict=True)), compact_cache=False)
+    """PyramidDrop's stages (``priortr.methods.pyramid_stages``) with each layer caching what it
+    processed, as the original implementation does: the schedule the paper's PDrop KV-cache column
+    implies. (This package's engine compacts every layer's cache instead.)"""
+    stages_ = pyramid_stages(kept, n_visual, n_layers, stages)
+    return Schedule("pdrop", tuple((layer + 1, count) for layer, count in stages_), compact_cache=False)
+
+
+def scheduled_prefill_flops(
+    config: PretrainedConfig | ModelShape | str,
+    text_tokens: int,
+    n_visual: int,
+    stages: Sequence[tuple[int, int]],
+    *,
+    exact: bool = False,
+) -> int:
+    """Language-model prefill FLOPs of one prompt under the engine's ``stages`` [(scored layer, kept)],
+    layer -1 pruning before the first decoder layer."""
+    text = _text(config)
+    schedule = Schedule("stages", tuple((layer + 1, kept) for layer, kept in stages))
+    counts = schedule.visual_per_layer(n_visual, text.layers)
+    return sum(decoder_layer_flops(text, text_tokens + count, exact=exact) for count in counts)
 
 
 def method_schedule(

@@ -104,9 +104,9 @@ class PriorTRLMMs(lmms):
 
     Args:
         pretrained: hub id or local checkpoint directory of a model supported by priortr.
-        method: scoring rule (``priortr.available_methods()``), default ``priortr``.
+        method: any method of ``priortr methods``, default ``priortr``.
         budget: kept visual tokens per image: int K, or a ratio in (0, 1). Default 64.
-        layer: 0-indexed decoder layer whose attention is scored (paper: 2). Default 2.
+        layer: 0-indexed decoder layer scored by one-layer methods (paper: 2); default: the method's.
         device: ``cuda``, ``cuda:0``, ``cpu``...; default ``cuda`` when available, else ``cpu``.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``float16``, ``bfloat16`` or ``float64``.
         batch_size: requests per forward / generate call (lmms-eval's ``--batch_size``).
@@ -122,7 +122,7 @@ class PriorTRLMMs(lmms):
         pretrained: str,
         method: str = "priortr",
         budget: int | float | str = 64,
-        layer: int = 2,
+        layer: int | str | None = None,
         device: str | None = None,
         dtype: str = "auto",
         batch_size: int | str = 1,
@@ -167,7 +167,7 @@ class PriorTRLMMs(lmms):
         self._apply_kwargs = {
             "method": method,
             "budget": self.budget,
-            "layer": int(layer),
+            "layer": None if layer in (None, "", "None") else int(layer),
             "heads": heads,
             "posterior_rows": posterior_rows,
         }
@@ -259,7 +259,7 @@ class PriorTRLMMs(lmms):
         last = self.handle.last
         if last is None or last is before:
             return None, None
-        return int(last.kept.shape[-1]), int(last.scores.shape[-1])
+        return int(last.kept.shape[-1]), last.n_visual
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -80,3 +80,19 @@ def attention_rows(
     logits = logits.masked_fill(~visible, float("-inf"))
     # A padded row sees no key at all; its probabilities are zero instead of NaN and are ignored later.
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def cls_attention(
+    query_out: torch.Tensor, key_out: torch.Tensor, heads: int, scaling: float, first_token: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision tower's [CLS] attention over its tokens, and their keys, from the q/k projections.
+
+    ViT attention has no mask; the [CLS] token is token 0. Returns the head-mean [CLS] row over tokens
+    ``first_token ..`` [B, N] (float32, softmax over every token as the tower computes it) and the keys
+    of those tokens [B, H, N, d], as VisionZip and PruMerge read them (Yang et al., CVPR 2025).
+    """
+    batch, tokens, width = key_out.shape
+    keys = key_out.float().view(batch, tokens, heads, width // heads).transpose(1, 2)  # [B, H, T, d]
+    cls = query_out[:, :1].float().view(batch, 1, heads, width // heads).transpose(1, 2)  # [B, H, 1, d]
+    row = torch.softmax(torch.matmul(cls, keys.transpose(-1, -2)) * scaling, dim=-1)  # [B, H, 1, T]
+    return row[:, :, 0, first_token:].mean(dim=1), keys[:, :, first_token:]

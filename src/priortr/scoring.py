@@ -273,10 +273,11 @@ def _score_fastv(evidence: Evidence) -> torch.Tensor:
     source="random-pruning baseline (control)",
 )
 def _score_random(evidence: Evidence) -> torch.Tensor:
-    """Seeded uniform scores: reproducible for a seed and blind to the attention values."""
+    """Seeded uniform scores: reproducible for a seed and blind to the attention values. Every image
+    gets the same draw, so a row's choice does not depend on the batch it runs in."""
     generator = torch.Generator().manual_seed(evidence.seed)
-    scores = torch.rand(evidence.prior.shape, generator=generator, dtype=torch.float32)  # [B, N]
-    return scores.to(evidence.prior.device)
+    scores = torch.rand(evidence.prior.shape[-1], generator=generator, dtype=torch.float32)  # [N]
+    return scores.to(evidence.prior.device).expand_as(evidence.prior)
 
 
 def resolve_budget(budget: int | float, n_visual: int) -> int:

@@ -139,8 +139,12 @@ def _prefill(model: nn.Module, inputs: dict, method: str, budget: int | float, l
 
 def _to_maps(last, grid: tuple[int, int], layer: int, budget: int | float, method: str) -> MapResult:
     """Batch row 0 of a ``PruneResult`` as [rows, cols] grids."""
-    n_visual = last.scores.shape[-1]
-    kept = torch.zeros(n_visual, dtype=torch.bool)
+    if last.scores is None:
+        raise ValueError(
+            f"{method} does not rank by a score over prior and posterior attention, so there are no maps "
+            "to draw; priortr viz takes a scoring-rule method (priortr, fastv, posterior, ...)"
+        )
+    kept = torch.zeros(last.n_visual, dtype=torch.bool)
     kept[(last.kept[0] - last.visual_start[0]).cpu()] = True
 
     def as_grid(values: torch.Tensor) -> torch.Tensor:

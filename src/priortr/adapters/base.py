@@ -7,8 +7,26 @@ owns every tensor operation; adding a family means a new adapter module, never a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class VisionProbe:
+    """Where a family's vision tower exposes the [CLS] attention that pre-LLM methods rank by.
+
+    ``attention`` is the self-attention of the vision layer whose output the model uses; its query and
+    key projections are hooked. ``first_token`` is the first vision-tower token that becomes a visual
+    token of the language model (1 when the [CLS] token itself is dropped).
+    """
+
+    query_projection: nn.Module
+    key_projection: nn.Module
+    heads: int
+    scaling: float
+    first_token: int
 
 
 class FamilyAdapter:
@@ -80,6 +98,10 @@ class FamilyAdapter:
     def image_view(self, image, processor):
         """The part of the PIL ``image`` that the token grid spans, as the family's processor sees it."""
         raise NotImplementedError(f"the {self.name or type(self).__name__} adapter declares no image_view")
+
+    def vision_probe(self, model: nn.Module) -> VisionProbe | None:
+        """The [CLS] attention of the vision tower, or None when the family's tower has no [CLS] token."""
+        return None
 
     def vision_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         """The first and last modules of the image path (vision tower, projector), for timing it."""

@@ -1,13 +1,34 @@
 """LLaVA-1.5 (``LlavaForConditionalGeneration``): 576 ``<image>`` tokens on a 24x24 grid, separator
 ``\\n`` right after them (paper Appendix A.3)."""
 
-from priortr.adapters.base import FamilyAdapter
+from torch import nn
+
+from priortr.adapters.base import FamilyAdapter, VisionProbe
 
 
 class LlavaAdapter(FamilyAdapter):
     name = "llava"
     model_types = ("llava",)
     separator_token = "the token after the <image> tokens ('\\n' in the LLaVA-1.5 template)"
+
+    def vision_probe(self, model: nn.Module) -> VisionProbe | None:
+        """The self-attention of the CLIP layer whose output LLaVA projects (``vision_feature_layer``, the
+        penultimate by default), the layer VisionZip, PruMerge and VisPruner read [CLS] attention from.
+        None for towers without a class embedding (SigLIP) or multi-layer features."""
+        config = model.config
+        tower = self.multimodal_model(model).vision_tower
+        tower = getattr(tower, "vision_model", tower)  # CLIPVisionModel nests it in older releases
+        feature_layer = config.vision_feature_layer
+        embeddings = getattr(tower, "embeddings", None)
+        if not hasattr(embeddings, "class_embedding") or not isinstance(feature_layer, int):
+            return None
+        layers = tower.encoder.layers
+        index = feature_layer % (len(layers) + 1) - 1  # hidden_states[i] is the output of layer i - 1
+        if index < 0:
+            return None
+        attention = layers[index].self_attn
+        first = 1 if config.vision_feature_select_strategy == "default" else 0
+        return VisionProbe(attention.q_proj, attention.k_proj, attention.num_heads, attention.scale, first)
 
     def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
         """A square grid of CLIP patches, side ``image_size // patch_size`` (24 x 24 for LLaVA-1.5 at 336 px);

@@ -1,0 +1,99 @@
+"""What a pruning stage sees, and what it decides: the contract between the engine and every method.
+
+The engine (``priortr.engine``) gathers the evidence a method asks for at one pruning stage into a
+:class:`StageInputs` (all tensors batch first, over the stage's N visual tokens of each image) and
+calls the method's selector, a pure tensor function returning a :class:`Selection`. Selectors never
+see the model, the cache or positions; the engine alone applies the decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from priortr.scoring import Evidence, select_top_k
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """Evidence available to a selector at one stage, for B images of N visual tokens each.
+
+    Attributes:
+        budget: K, visual tokens per image that survive the stage (merged representatives included).
+        hidden: [B, N, D] the visual tokens' hidden states at the stage: the language model's input
+            embeddings for a stage before the LLM, the output of the scoring layer otherwise.
+        attention: prior Q, posterior P and the last prompt token's row, L1-normalised over the visual
+            tokens (``scoring.build_evidence``); None when the method does not ask for attention.
+        text_rows: [B, R, N] float32 head-mean attention of the instruction rows (every prompt token
+            after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
+            False are padding and must be ignored.
+        text_valid: [B, R] bool.
+        vision_cls: [B, N] float32 head-mean attention of the vision tower's [CLS] query over the
+            visual tokens, at the vision layer whose output the model uses; None without a [CLS].
+        vision_keys: [B, H, N, d] that vision layer's keys of the visual tokens.
+        seed: seed for any randomness (random baselines, K-means initialisation).
+    """
+
+    budget: int
+    hidden: torch.Tensor
+    attention: Evidence | None = None
+    text_rows: torch.Tensor | None = None
+    text_valid: torch.Tensor | None = None
+    vision_cls: torch.Tensor | None = None
+    vision_keys: torch.Tensor | None = None
+    seed: int = 0
+
+    @property
+    def n_visual(self) -> int:
+        return self.hidden.shape[1]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A selector's decision for one stage.
+
+    Attributes:
+        kept: [B, K] int64 indices into the stage's N visual tokens, strictly ascending per row.
+        merge: None for plain pruning (survivors keep their own hidden states), or float [B, K, N]
+            with non-negative rows summing to 1: survivor k's hidden state becomes
+            ``merge[b, k] @ hidden[b]`` (token merging). A survivor's KV-cache entries of earlier
+            layers are its own; only the hidden state that later layers see is merged.
+        scores: [B, N] float32 the scores the selector ranked by, when it ranks by one score
+            (reported in ``handle.last`` and drawn by ``priortr viz``); None otherwise.
+    """
+
+    kept: torch.Tensor
+    merge: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """Reject a decision the engine could not apply consistently."""
+        kept = self.kept
+        if kept.ndim != 2 or kept.dtype != torch.int64:
+            raise ValueError(f"Selection.kept must be int64 [B, K], got {kept.dtype} {tuple(kept.shape)}")
+        if kept.shape[1] > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
+            raise ValueError("Selection.kept must be strictly ascending in every row")
+        if self.merge is not None:
+            merge = self.merge
+            if merge.ndim != 3 or tuple(merge.shape[:2]) != tuple(kept.shape):
+                raise ValueError(
+                    f"Selection.merge must be [B, K, N] with [B, K] = {tuple(kept.shape)}, "
+                    f"got {tuple(merge.shape)}"
+                )
+            if bool((merge < 0).any()) or not torch.allclose(
+                merge.sum(-1), torch.ones((), dtype=merge.dtype, device=merge.device), atol=1e-4
+            ):
+                raise ValueError("Selection.merge rows must be non-negative and sum to 1")
+
+
+def top_k(scores: torch.Tensor, budget: int) -> Selection:
+    """Plain pruning that keeps the ``budget`` highest ``scores`` [B, N] of each row."""
+    return Selection(kept=select_top_k(scores, budget), scores=scores)
+
+
+def keep_all(inputs: StageInputs) -> Selection:
+    """Every visual token survives unchanged (a budget of at least N)."""
+    batch, n_visual = inputs.hidden.shape[:2]
+    kept = torch.arange(n_visual, device=inputs.hidden.device).expand(batch, n_visual)  # [B, N]
+    return Selection(kept=kept.contiguous())

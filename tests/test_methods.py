@@ -1,0 +1,286 @@
+"""Every method runs through the same engine: stages, pre-LLM pruning and merging, checked against
+independent references (tests/oracle.py) on tiny random-weight models in float64.
+
+Pure selections must equal the staged masked reference; merging must equal a reference that writes
+the merged hidden states into the full sequence itself; a batch must equal its rows run one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import priortr
+from priortr.cli import main
+from priortr.probe import cls_attention
+from priortr.selection import Selection, StageInputs
+from tests.oracle import staged_reference
+from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl
+
+NEW_TOKENS = 4
+
+
+def _qwen_batch(model, batch_size: int) -> Batch:
+    return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))  # 12 visual tokens
+
+
+FAMILIES = {"llava": (tiny_llava, llava_batch), "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch)}
+
+
+def setup(family: str, batch_size: int) -> tuple[torch.nn.Module, Batch]:
+    build, make_batch = FAMILIES[family]
+    model = build()
+    return model, make_batch(model, batch_size=batch_size)
+
+
+def stage_masks(batch: Batch, result: priortr.PruneResult) -> list[tuple[int, torch.Tensor]]:
+    """(layer, [B, S] visual columns not kept after that stage) for ``staged_reference``."""
+    stages = []
+    for stage in result.stages:
+        pruned = batch.visual_mask().clone()
+        pruned.scatter_(1, stage.kept, False)
+        stages.append((stage.layer, pruned))
+    return stages
+
+
+def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
+    """``values`` [B, S, V] at the positions left after pruning, and which of them are real tokens."""
+    picked = values.gather(1, result.positions[..., None].expand(-1, -1, values.shape[-1]))
+    return picked, batch.attention_mask.gather(1, result.positions).bool()
+
+
+def generate(model, batch: Batch):
+    return model.generate(
+        **batch.kwargs(),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+SELECTIONS = [  # (family, method, budget, apply keywords): pure selections, so the oracle applies
+    ("llava", "pdrop", 4, {}),
+    ("qwen2.5-vl", "pdrop", 4, {}),
+    ("llava", "pdrop+priortr", 4, {}),
+    ("llava", "priortr", 5, {"stages": [(0, 10), (2, 5)]}),
+    ("qwen2.5-vl", "fastv", 0.25, {"stages": [(1, 0.5), (2, 0.25)]}),
+    ("llava", "divprune", 5, {}),
+    ("qwen2.5-vl", "divprune", 5, {}),
+    ("llava", "vispruner", 5, {}),
+    ("llava", "dart", 5, {"layer": 1}),
+    ("qwen2.5-vl", "dart", 5, {"layer": 1}),
+]
+
+
+@pytest.mark.parametrize(("family", "method", "budget", "extra"), SELECTIONS)
+def test_selections_match_staged_reference(family, method, budget, extra):
+    model, batch = setup(family, 2)
+    with priortr.apply(model, method=method, budget=budget, **extra) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits
+        result = handle.last
+        out = generate(model, batch)
+    k = result.kept.shape[1]
+    assert k == priortr.scoring.resolve_budget(budget, batch.n_visual)
+    assert logits.shape[1] == batch.seq_len - batch.n_visual + k
+    assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
+    for cache_layer in out.past_key_values.layers:  # text + K in every layer, whatever the stage
+        assert cache_layer.keys.shape[2] == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
+
+    stages = stage_masks(batch, result)
+    with staged_reference(model, stages, batch.attention_mask), torch.no_grad():
+        reference = model(**batch.kwargs()).logits
+        expected_out = generate(model, batch)
+    expected, real = kept_rows(reference, result, batch)
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-10, rtol=0)
+    assert torch.equal(out.sequences, expected_out.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected_out.logits), atol=1e-10, rtol=0)
+
+    later = [(layer + 1, pruned) for layer, pruned in stages]  # negative control: stages one layer late
+    if all(layer < len(model.model.language_model.layers) - 1 for layer, _ in later):
+        with staged_reference(model, later, batch.attention_mask), torch.no_grad():
+            wrong, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
+        assert (wrong[real] - logits[real]).abs().max() > 1e-6
+
+
+def test_pdrop_runs_pyramid_drops_schedule():
+    model, batch = setup("llava", 1)
+    with priortr.apply(model, method="pdrop", budget=4) as handle, torch.no_grad():
+        model(**batch.kwargs())
+    stages = handle.last.stages
+    assert [stage.layer for stage in stages] == [0, 1, 2]  # 4 layers: stages start at layers 1, 2, 3
+    assert [stage.kept.shape[1] for stage in stages] == [10, 6, 4]  # 16 * (4/16)^(i/3), rounded
+    for earlier, later in itertools.pairwise(stages):
+        assert set(later.kept[0].tolist()) <= set(earlier.kept[0].tolist())
+    assert priortr.methods.pyramid_stages(64, 576, 32) == [(7, 277), (15, 133), (23, 64)]
+
+
+_MERGE_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+@priortr.register_method(
+    "test-merge", where="layer", summary="test only: keeps the first K, merges pairs", source="tests"
+)
+def _test_merge(inputs: StageInputs) -> Selection:
+    """Keep tokens 0..K-1; token K-1 also absorbs every dropped token (uniform weights)."""
+    batch, n = inputs.hidden.shape[:2]
+    k = inputs.budget
+    merge = torch.zeros(batch, k, n, dtype=torch.float32)
+    merge[:, torch.arange(k - 1), torch.arange(k - 1)] = 1.0
+    merge[:, k - 1, k - 1 :] = 1.0 / (n - k + 1)
+    _MERGE_WEIGHTS["last"] = merge
+    return Selection(kept=torch.arange(k).expand(batch, k), merge=merge)
+
+
+def test_merged_hidden_states_match_a_reference_that_writes_them():
+    """Merging at layer L equals the full model with the merged states written into layer L's output
+    (and the dropped tokens masked after L): checked in float64, prefill and generation."""
+    layer, budget = 1, 5
+    model, batch = setup("llava", 2)
+    with priortr.apply(model, method="test-merge", budget=budget, layer=layer) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits
+        result = handle.last
+        out = generate(model, batch)
+    assert result.stages[0].merged
+    merge = _MERGE_WEIGHTS["last"].double()
+
+    def write_merged(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.shape[1] != batch.seq_len:
+            return None
+        hidden = hidden.clone()
+        for row in range(batch.batch_size):
+            start = batch.image_start[row]
+            visual = hidden[row, start : start + batch.n_visual]
+            hidden[row, start : start + budget] = merge[row] @ visual
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    hook = model.model.language_model.layers[layer].register_forward_hook(write_merged)
+    try:
+        with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+            reference = model(**batch.kwargs()).logits
+            expected_out = generate(model, batch)
+    finally:
+        hook.remove()
+    expected, real = kept_rows(reference, result, batch)
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-10, rtol=0)
+    assert torch.equal(out.sequences, expected_out.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected_out.logits), atol=1e-10, rtol=0)
+
+    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+        unmerged, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
+    assert (unmerged[real] - logits[real]).abs().max() > 1e-6, "merging must change the outputs"
+
+
+def _row(batch: Batch, row: int) -> dict:
+    """Batch row ``row`` as its own unpadded batch of one."""
+    real = batch.attention_mask[row].bool()
+    out = {
+        "input_ids": batch.input_ids[row, real][None],
+        "attention_mask": batch.attention_mask[row, real][None],
+    }
+    if batch.image_grid_thw is None:
+        out["pixel_values"] = batch.pixel_values[row : row + 1]
+    else:
+        per_image = int(batch.image_grid_thw[row].prod())
+        out["pixel_values"] = batch.pixel_values[row * per_image : (row + 1) * per_image]
+        out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
+        out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
+    return out
+
+
+def _cases() -> list[tuple[str, str]]:
+    cases = []
+    for method in priortr.available_methods():
+        if method == "test-merge":
+            continue
+        families = ["llava"] if "vision" in priortr.get_method(method).needs else list(FAMILIES)
+        cases += [(family, method) for family in families]
+    return cases
+
+
+@pytest.mark.parametrize(("family", "method"), _cases())
+def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method):
+    model, batch = setup(family, 2)
+    budget = 6
+    with priortr.apply(model, method=method, budget=budget) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits[:, -1]
+        kept = handle.last.kept - handle.last.visual_start[:, None]
+        n_layers = len(model.model.language_model.layers)
+        assert kept.shape[1] == handle.config.plan(batch.n_visual, n_layers)[-1][1]
+        if priortr.get_method(method).schedule is None:
+            assert kept.shape[1] == budget
+        for row in range(batch.batch_size):
+            alone = model(**_row(batch, row)).logits[:, -1]
+            assert torch.equal(handle.last.kept - handle.last.visual_start[:, None], kept[row : row + 1])
+            torch.testing.assert_close(alone[0], logits[row], atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("method", sorted(set(priortr.available_methods()) - {"test-merge"}))
+def test_budget_covering_every_token_is_the_stock_model(method):
+    family = "llava"
+    model, batch = setup(family, 2)
+    with torch.no_grad():
+        stock = model(**batch.kwargs()).logits
+    with priortr.apply(model, method=method, budget=batch.n_visual) as handle, torch.no_grad():
+        pruned = model(**batch.kwargs()).logits
+    assert torch.equal(stock, pruned)
+    assert not handle.last.pruned
+
+
+def test_vision_cls_attention_equals_the_towers_own_weights():
+    model = tiny_llava(attn="eager")
+    batch = llava_batch(model, batch_size=2)
+    probe = priortr.adapters.adapter_for(model).vision_probe(model)
+    captured = {}
+    hooks = [
+        probe.query_projection.register_forward_hook(lambda m, a, out: captured.__setitem__("q", out)),
+        probe.key_projection.register_forward_hook(lambda m, a, out: captured.__setitem__("k", out)),
+    ]
+    try:
+        with torch.no_grad():
+            tower = model.model.vision_tower(batch.pixel_values, output_attentions=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cls, keys = cls_attention(captured["q"], captured["k"], probe.heads, probe.scaling, probe.first_token)
+    layer = model.config.vision_feature_layer % (len(tower.attentions) + 1) - 1
+    expected = tower.attentions[layer][:, :, 0, 1:].mean(dim=1)  # [B, N]
+    torch.testing.assert_close(cls, expected.float(), atol=1e-6, rtol=0)
+    assert cls.shape == (2, batch.n_visual) and keys.shape[2] == batch.n_visual
+    wrong = tower.attentions[layer - 1 if layer else layer + 1][:, :, 0, 1:].mean(dim=1)
+    assert (wrong.float() - cls).abs().max() > 1e-4, "another layer's attention must differ"
+
+
+def test_methods_refuse_what_they_cannot_do():
+    qwen, _ = setup("qwen2.5-vl", 1)
+    for method in ("visionzip", "vispruner", "prumerge"):
+        with pytest.raises(ValueError, match=r"\[CLS\]"):
+            priortr.apply(qwen, method=method)
+    llava, _ = setup("llava", 1)
+    with pytest.raises(ValueError, match="takes no layer"):
+        priortr.apply(llava, method="visionzip", layer=2)
+    with pytest.raises(ValueError, match="takes no stages"):
+        priortr.apply(llava, method="divprune", stages=[(1, 4)])
+    with pytest.raises(ValueError, match="has no option"):
+        priortr.apply(llava, method="priortr", options={"pivots": 3})
+    with pytest.raises(ValueError, match="strictly increasing"):
+        priortr.apply(llava, method="priortr", stages=[(2, 8), (1, 4)])
+    with pytest.raises(ValueError, match="must not increase"):
+        priortr.apply(llava, method="priortr", stages=[(0, 4), (1, 8)])
+
+
+def test_methods_command_lists_every_method(capsys):
+    assert main(["methods", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["name"] for row in rows} == set(priortr.available_methods())
+    where = {row["name"]: row["where"] for row in rows}
+    assert where["visionzip"] == "before the LLM"
+    assert where["pdrop"] == "after several decoder layers"
+    assert where["priortr"] == "after decoder layer L"
+    assert main(["methods"]) == 0
+    assert "PyramidDrop" in capsys.readouterr().out
