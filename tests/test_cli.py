@@ -69,6 +69,21 @@ def test_budget_count_or_ratio_keeps_4_of_16(files, capsys, budget: str) -> None
     assert re.fullmatch(r"prefill: \d+\.\d ms", lines[2])
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--method", "visionzip", "--option", "contextual_ratio=0.5"],
+        ["--method", "dart", "--layer", "1", "--option", "pivots=2"],
+        ["--method", "priortr", "--stages", "0:8", "1:4"],
+        ["--method", "pdrop"],
+    ],
+)
+def test_any_method_with_its_options_keeps_4_of_16(files, capsys, extra: list[str]) -> None:
+    code, out, err = run(files, capsys, "--budget", "4", *extra)
+    assert code == 0, err
+    assert out.splitlines()[1] == "visual tokens kept: 4 / 16"
+
+
 def test_no_prune_matches_a_budget_covering_every_token(files, capsys) -> None:
     code, stock, err = run(files, capsys, "--no-prune")
     assert code == 0, err
@@ -86,6 +101,9 @@ def test_no_prune_matches_a_budget_covering_every_token(files, capsys) -> None:
         (["--budget", "0"], "budget must be a positive token count"),
         (["--budget", "1.5"], "float budget 1.5 is not a ratio"),
         (["--layer", "99"], "layer must be an int in [0, 2]"),
+        (["--method", "visionzip", "--layer", "1"], "visionzip prunes before the language model"),
+        (["--option", "pivots=2"], "priortr has no option pivots"),
+        (["--stages", "1:4", "0:8"], "stage layers must be strictly increasing"),
         (["--image", "does-not-exist.png"], "cannot read image 'does-not-exist.png'"),
     ],
 )
