@@ -18,7 +18,7 @@ from priortr.cli import main
 from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
 from tests.oracle import staged_reference
-from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl
+from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl
 
 NEW_TOKENS = 4
 
@@ -27,7 +27,11 @@ def _qwen_batch(model, batch_size: int) -> Batch:
     return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))  # 12 visual tokens
 
 
-FAMILIES = {"llava": (tiny_llava, llava_batch), "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch)}
+FAMILIES = {
+    "llava": (tiny_llava, llava_batch),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch),
+    "qwen2-vl": (tiny_qwen2_vl, _qwen_batch),
+}
 
 
 def setup(family: str, batch_size: int) -> tuple[torch.nn.Module, Batch]:
@@ -52,9 +56,10 @@ def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
     return picked, batch.attention_mask.gather(1, result.positions).bool()
 
 
-def generate(model, batch: Batch):
+def generate(model, batch: Batch, **options):
     return model.generate(
         **batch.kwargs(),
+        **options,
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
         do_sample=False,
@@ -105,6 +110,51 @@ def test_selections_match_staged_reference(family, method, budget, extra):
         with staged_reference(model, later, batch.attention_mask), torch.no_grad():
             wrong, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
         assert (wrong[real] - logits[real]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize(("family", "method"), [("llava", "pdrop"), ("qwen2.5-vl", "divprune")])
+def test_static_cache_with_stages_matches_staged_reference(family, method):
+    model, batch = setup(family, 2)
+    static = {"cache_implementation": "static"}
+    with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
+        out = generate(model, batch, **static)
+    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+        expected = generate(model, batch, **static)
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+    assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + 4 + NEW_TOKENS - 1
+
+
+def _two_turns(model, batch: Batch):
+    """Turn 1 on the batch, then turn 2: the whole conversation as input_ids on turn 1's cache."""
+    first = generate(model, batch)
+    follow_up = torch.randint(10, 100, (batch.batch_size, 3), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([first.sequences, follow_up], dim=1)
+    mask = torch.cat([batch.attention_mask, torch.ones_like(ids[:, batch.seq_len :])], dim=1)
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        past_key_values=first.past_key_values,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+@pytest.mark.parametrize("method", ["pdrop", "divprune"])
+def test_second_turn_on_a_cache_pruned_in_stages(method):
+    model, batch = setup("llava", 2)
+    with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
+        second = _two_turns(model, batch)
+    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+        expected = _two_turns(model, batch)
+    assert torch.equal(second.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(second.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+    with torch.no_grad():
+        stock = _two_turns(model, batch)
+    assert (torch.stack(stock.logits) - torch.stack(second.logits)).abs().max() > 1e-6
 
 
 def test_pdrop_runs_pyramid_drops_schedule():
