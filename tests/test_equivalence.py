@@ -12,26 +12,9 @@ import torch
 import priortr
 from priortr.engine import PruningEngine
 from tests.oracle import masked_reference
-from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl
+from tests.tiny import FAMILIES, Batch, llava_batch, setup, tiny_llava
 
 LAYER, BUDGET, NEW_TOKENS = 1, 5, 6
-
-
-def _qwen_batch(model, batch_size: int) -> Batch:
-    return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))  # 12 visual tokens
-
-
-FAMILIES = {
-    "llava": (tiny_llava, llava_batch),
-    "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch),
-    "qwen2-vl": (tiny_qwen2_vl, _qwen_batch),
-}
-
-
-def setup(family: str, batch_size: int) -> tuple[torch.nn.Module, Batch]:
-    build, make_batch = FAMILIES[family]
-    model = build()
-    return model, make_batch(model, batch_size=batch_size)
 
 
 def pruned_columns(batch: Batch, kept: torch.Tensor) -> torch.Tensor:

@@ -18,26 +18,9 @@ from priortr.cli import main
 from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
 from tests.oracle import staged_reference
-from tests.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl
+from tests.tiny import FAMILIES, Batch, llava_batch, setup, tiny_llava
 
 NEW_TOKENS = 4
-
-
-def _qwen_batch(model, batch_size: int) -> Batch:
-    return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))  # 12 visual tokens
-
-
-FAMILIES = {
-    "llava": (tiny_llava, llava_batch),
-    "qwen2.5-vl": (tiny_qwen2_5_vl, _qwen_batch),
-    "qwen2-vl": (tiny_qwen2_vl, _qwen_batch),
-}
-
-
-def setup(family: str, batch_size: int) -> tuple[torch.nn.Module, Batch]:
-    build, make_batch = FAMILIES[family]
-    model = build()
-    return model, make_batch(model, batch_size=batch_size)
 
 
 def stage_masks(batch: Batch, result: priortr.PruneResult) -> list[tuple[int, torch.Tensor]]:

@@ -305,3 +305,23 @@ def qwen_batch(
         image_grid_thw=torch.tensor([grid] * batch_size, dtype=torch.long),  # [B, 3]
         mm_token_type_ids=(ids == QWEN_IMAGE_ID).long(),  # [B, S]: 0 text, 1 image (2 would be video)
     )
+
+
+def qwen_batch_12(model, batch_size: int) -> Batch:
+    """``qwen_batch`` with a 6x8 patch grid: 12 visual tokens per row."""
+    return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))
+
+
+FAMILIES = {
+    "llava": (tiny_llava, llava_batch),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, qwen_batch_12),
+    "qwen2-vl": (tiny_qwen2_vl, qwen_batch_12),
+}
+"""Every supported family: (model builder, batch builder)."""
+
+
+def setup(family: str, batch_size: int) -> tuple[PreTrainedModel, Batch]:
+    """A tiny float64 model of ``family`` and a left-padded batch for it."""
+    build, make_batch = FAMILIES[family]
+    model = build()
+    return model, make_batch(model, batch_size=batch_size)
