@@ -165,9 +165,7 @@ def _check_stages(
         raise ValueError(
             f"stage layers must be strictly increasing ints in [0, {n_layers - 2}]; got {layers}"
         )
-    for _, budget in stages:
-        resolve_budget(budget, n_visual=1 << 30)
-    counts = [resolve_budget(budget, n_visual=1000) for _, budget in stages]
+    counts = [resolve_budget(budget, n_visual=1 << 30) for _, budget in stages]  # validates each budget
     if counts != sorted(counts, reverse=True) or len({type(budget) for _, budget in stages}) != 1:
         raise ValueError(
             "stage budgets must all be counts or all ratios, and must not increase; "
