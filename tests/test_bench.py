@@ -50,7 +50,7 @@ def report(config_dir):
     model = bench.build_model(str(config_dir), torch.device("cpu"), torch.float32)
     return bench.run_bench(
         model,
-        ["vanilla", "priortr", "fastv", "pdrop", "visionzip"],
+        ["vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm"],
         [K],
         [1],
         layer=2,
@@ -67,14 +67,17 @@ def test_kv_cache_bytes_are_measured_and_exact(report):
     assert vanilla.kv_cache_bytes == vanilla.kv_cache_expected_bytes
     for case in pruned:
         assert case.kv_cache_bytes == case.kv_cache_expected_bytes
-        assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + K)
+        # SparseVLM's published schedule, scaled to 8 layers, ends with 17 tokens for K = 64.
+        kept = 17 if case.method == "sparsevlm" else K
+        assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + kept)
 
 
 def test_pruning_speeds_up_the_prefill(report, config_dir):
     """Smoke check with a loose bound: at 11% of the visual tokens, 5 of 8 layers (PriorTR, FastV),
-    all 8 (VisionZip, before the LLM) or a pyramid of layers (PDrop) run on fewer than 624 tokens, so
-    the language-model prefill must be faster than vanilla. The reported speed-up (medians) is checked
-    only against the roofline's range: at most every layer on 112 tokens instead of 624."""
+    all 8 (VisionZip, before the LLM) or a schedule of layers (PDrop, SparseVLM) run on fewer than
+    624 tokens, so the language-model prefill must be faster than vanilla. The reported speed-up
+    (medians) is checked only against the roofline's range: at most every layer on 112 tokens
+    instead of 624."""
     vanilla = report.cases[0]
     full = vanilla.lm_flops
     config = str(config_dir / "config.json")
@@ -91,7 +94,7 @@ def test_reports_are_complete(report, tmp_path):
     assert table.count("\n| ") == 2 + len(report.cases)  # header, rule, one row per case
     assert "roofline limit" in table
     document = report.to_json()
-    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip"}
+    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm"}
     assert {row["method"] for row in document["cases"]} == methods
     assert document["ceilings"]["matmul_flops_per_s"] > 0 and document["meta"]["device_type"] == "cpu"
     bench.plot(report, tmp_path / "bench.png")

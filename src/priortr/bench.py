@@ -330,12 +330,12 @@ def run_bench(
             k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
         }
         n_visual = int((inputs["input_ids"][0] == config.image_token_id).sum())
-        kept = n_visual if budget is None else min(budget, n_visual)
         seq = inputs["input_ids"].shape[1]
         measured = run_case(
             model, inputs, method, budget, warmup, repeats, new_tokens, decode_repeats, layer, options
         )
         stages = measured.pop("stages")
+        kept = stages[-1][1] if stages else n_visual  # a schedule (SparseVLM) may end below the budget
         flops = batch * scheduled_prefill_flops(config, seq - n_visual, n_visual, stages, exact=True)
         expected_kv = kv_cache_bytes(config, seq - n_visual + kept, dtype.itemsize, batch, pruned_from=None)
         case = CaseResult(
