@@ -179,12 +179,15 @@ class _Prefill:
         return after & self.current_key_valid()[:, first_row:]
 
 
+def _has_raw_pixels(call: dict) -> bool:
+    """Whether a model call brings raw images or video, which the vision tower encodes inside it."""
+    return any(call.get(key) is not None for key in ("pixel_values", "pixel_values_videos"))
+
+
 def _has_visual_inputs(call: dict) -> bool:
     """Whether a model call brings images (raw, or pre-encoded by ``generate()``)."""
     encoded = call.get("mm_encoder_outputs") or {}
-    return any(call.get(key) is not None for key in ("pixel_values", "pixel_values_videos")) or any(
-        value is not None for value in encoded.values()
-    )
+    return _has_raw_pixels(call) or any(value is not None for value in encoded.values())
 
 
 def _hidden_argument(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -257,7 +260,7 @@ class PruningEngine:
             if record is not None:
                 self._continue(call, cache, record)
             return (), call
-        if any(call.get(key) is not None for key in ("pixel_values", "pixel_values_videos")):
+        if _has_raw_pixels(call):
             self._vision_capture = {}  # the tower runs inside this call; generate() runs it before
         self._prefill = self._plan(call)
         return (), call
