@@ -252,6 +252,15 @@ def cmd_viz(args: argparse.Namespace) -> int:
 LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--image``, ``--prompt``, ``--device``, ``--dtype``: one real prompt on a checkpoint."""
+    parser.add_argument("--model", required=True, help="hub id or local checkpoint directory")
+    parser.add_argument("--image", required=True, help="path of the image file")
+    parser.add_argument("--prompt", required=True, help="the question or instruction")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+
+
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """``--layer``, ``--stages`` and ``--option``: where and how a method prunes."""
     parser.add_argument("--layer", type=int, help=LAYER_HELP)
@@ -269,14 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser(
         "generate", help="answer a prompt about an image", description=cmd_generate.__doc__
     )
-    gen.add_argument("--model", required=True, help="hub id or local checkpoint directory")
-    gen.add_argument("--image", required=True, help="path of the image file")
-    gen.add_argument("--prompt", required=True, help="the question or instruction")
+    add_model_arguments(gen)
     gen.add_argument("--method", default="priortr", help="a method of `priortr methods`")
     gen.add_argument("--budget", type=parse_budget, default=64, help="kept tokens: count, or ratio in (0, 1)")
     add_layer_arguments(gen)
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
@@ -328,9 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     viz = commands.add_parser(
         "viz", help="draw prior, posterior and score maps over the image", description=cmd_viz.__doc__
     )
-    viz.add_argument("--model", required=True, help="hub id or local checkpoint directory")
-    viz.add_argument("--image", required=True, help="path of the image file")
-    viz.add_argument("--prompt", required=True, help="the question or instruction")
+    add_model_arguments(viz)
     viz.add_argument("--method", default="priortr", help="a scoring-rule method of `priortr methods`")
     viz.add_argument("--layers", type=int, nargs="+", default=[2], help="0-indexed scored layers, a row each")
     viz.add_argument(
@@ -340,8 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=[64],
         help="kept tokens: counts or ratios, a row each",
     )
-    viz.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    viz.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     viz.add_argument("--out", required=True, help="path of the PNG to write")
     viz.set_defaults(func=cmd_viz)
     return parser
