@@ -91,7 +91,8 @@ def masked_reference(
     """Make ``model`` behave as if the ``pruned`` prompt tokens were physically removed after ``layer``.
 
     Args:
-        model: an HF multimodal model whose decoder layers are ``model.model.language_model.layers``.
+        model: an HF multimodal model whose decoder layers are ``model.model.language_model.layers``
+            (``model.model.text_model.layers`` for Idefics3 / SmolVLM).
         layer: ``L``, the last decoder layer (0-indexed) that still sees every token; ``-1`` hides
             the pruned tokens from every layer, ``n_layers - 1`` only from generated tokens.
         pruned: [B, S_prompt] bool, True on prompt columns (absolute positions in the left-padded
@@ -113,7 +114,8 @@ def staged_reference(
 ) -> Iterator[None]:
     """``masked_reference`` for pruning in stages: each (L, pruned) hides its ``pruned`` columns from
     prompt queries of layers after L (L = -1: from every layer), and from every generated query."""
-    layers = model.model.language_model.layers
+    inner = model.model
+    layers = (inner.language_model if hasattr(inner, "language_model") else inner.text_model).layers
     first = stages[0][1]
     last_seen = torch.full(first.shape, KEPT, dtype=torch.long)
     for layer, pruned in stages:

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 import priortr
-from tests.tiny import LLAVA_IMAGE_ID, QWEN_VIDEO_ID, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl
+from tests.tiny import LLAVA_IMAGE_ID, llava_batch, tiny_llava
 
 
 @pytest.fixture(scope="module")
@@ -92,44 +92,6 @@ def test_no_instruction_after_the_separator(llava):
     with priortr.apply(llava, budget=4, posterior_rows="from_separator") as handle:
         llava(input_ids=ids, pixel_values=batch.pixel_values)
     assert handle.last.kept.shape == (1, 4)
-
-
-def test_different_visual_token_counts_in_one_batch_are_refused():
-    model = tiny_qwen2_5_vl()
-    small, large = qwen_batch(model, grid=(1, 4, 4)), qwen_batch(model, grid=(1, 4, 8))
-    width = large.seq_len
-    ids = torch.cat([torch.nn.functional.pad(small.input_ids, (width - small.seq_len, 0)), large.input_ids])
-    mask = torch.cat(
-        [torch.nn.functional.pad(small.attention_mask, (width - small.seq_len, 0)), large.attention_mask]
-    )
-    with (
-        priortr.apply(model, budget=2),
-        pytest.raises(ValueError, match=r"different numbers of visual tokens"),
-    ):
-        model(
-            input_ids=ids,
-            attention_mask=mask,
-            pixel_values=torch.cat([small.pixel_values, large.pixel_values]),
-            image_grid_thw=torch.cat([small.image_grid_thw, large.image_grid_thw]),
-            mm_token_type_ids=(ids == 198).long(),
-        )
-
-
-def test_two_images_in_one_prompt_are_refused(llava):
-    batch = llava_batch(llava)
-    ids = batch.input_ids.clone()
-    ids[0, batch.image_start[0] + 5] = 10  # split the span into two runs
-    with priortr.apply(llava, budget=4), pytest.raises(ValueError, match="several images"):
-        llava(input_ids=ids)
-
-
-def test_video_tokens_are_refused():
-    model = tiny_qwen2_5_vl()
-    batch = qwen_batch(model)
-    ids = batch.input_ids.clone()
-    ids[0, -1] = QWEN_VIDEO_ID
-    with priortr.apply(model, budget=2), pytest.raises(ValueError, match="video tokens"):
-        model(input_ids=ids, attention_mask=batch.attention_mask)
 
 
 def test_sliding_window_cache_is_refused(llava):

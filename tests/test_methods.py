@@ -15,41 +15,14 @@ import torch
 
 import priortr
 from priortr.cli import main
+from priortr.engine import DEFAULT_LAYER, PruningConfig
 from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
+from tests.families import FAMILIES, setup
 from tests.oracle import staged_reference
-from tests.tiny import FAMILIES, Batch, llava_batch, setup, tiny_llava
-
-NEW_TOKENS = 4
-
-
-def stage_masks(batch: Batch, result: priortr.PruneResult) -> list[tuple[int, torch.Tensor]]:
-    """(layer, [B, S] visual columns not kept after that stage) for ``staged_reference``."""
-    stages = []
-    for stage in result.stages:
-        pruned = batch.visual_mask().clone()
-        pruned.scatter_(1, stage.kept, False)
-        stages.append((stage.layer, pruned))
-    return stages
-
-
-def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
-    """``values`` [B, S, V] at the positions left after pruning, and which of them are real tokens."""
-    picked = values.gather(1, result.positions[..., None].expand(-1, -1, values.shape[-1]))
-    return picked, batch.attention_mask.gather(1, result.positions).bool()
-
-
-def generate(model, batch: Batch, **options):
-    return model.generate(
-        **batch.kwargs(),
-        **options,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-
+from tests.pruned import NEW_TOKENS, generate, kept_rows, row_alone, stage_masks
+from tests.tiny import Batch, llava_batch, tiny_llava
+from tests.tiny_qwen3_vl import INJECTED_LAYERS as DEEPSTACK
 
 SELECTIONS = [  # (family, method, budget, apply keywords): pure selections, so the oracle applies
     ("llava", "pdrop", 4, {}),
@@ -89,7 +62,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected_out.logits), atol=1e-10, rtol=0)
 
     later = [(layer + 1, pruned) for layer, pruned in stages]  # negative control: stages one layer late
-    if all(layer < len(model.model.language_model.layers) - 1 for layer, _ in later):
+    if all(layer < len(priortr.adapters.adapter_for(model).decoder_layers(model)) - 1 for layer, _ in later):
         with staged_reference(model, later, batch.attention_mask), torch.no_grad():
             wrong, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
         assert (wrong[real] - logits[real]).abs().max() > 1e-6
@@ -192,7 +165,9 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
             hidden[row, start : start + budget] = merge[row] @ visual
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-    hook = model.model.language_model.layers[layer].register_forward_hook(write_merged)
+    hook = (
+        priortr.adapters.adapter_for(model).decoder_layers(model)[layer].register_forward_hook(write_merged)
+    )
     try:
         with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
             reference = model(**batch.kwargs()).logits
@@ -209,29 +184,25 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
     assert (unmerged[real] - logits[real]).abs().max() > 1e-6, "merging must change the outputs"
 
 
-def _row(batch: Batch, row: int) -> dict:
-    """Batch row ``row`` as its own unpadded batch of one."""
-    real = batch.attention_mask[row].bool()
-    out = {
-        "input_ids": batch.input_ids[row, real][None],
-        "attention_mask": batch.attention_mask[row, real][None],
-    }
-    if batch.image_grid_thw is None:
-        out["pixel_values"] = batch.pixel_values[row : row + 1]
-    else:
-        per_image = int(batch.image_grid_thw[row].prod())
-        out["pixel_values"] = batch.pixel_values[row * per_image : (row + 1) * per_image]
-        out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
-        out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
-    return out
+def _first_layer(method: str) -> int:
+    """The first stage's layer of ``method`` on the 4-layer tiny models (-1: before the LLM)."""
+    config = PruningConfig(method=priortr.get_method(method), budget=6, layer=DEFAULT_LAYER)
+    return config.plan(16, 4)[0][0]
 
 
 def _cases() -> list[tuple[str, str]]:
+    """Every method on every family that can run it: [CLS] methods need a tower with [CLS] (LLaVA,
+    Video-LLaVA images); Qwen3-VL refuses stages before its last DeepStack layer (tested below)."""
     cases = []
     for method in priortr.available_methods():
         if method == "test-merge":
             continue
-        families = ["llava"] if "vision" in priortr.get_method(method).needs else list(FAMILIES)
+        if "vision" in priortr.get_method(method).needs:
+            families = ["llava", "video-llava"]
+        else:
+            families = [
+                f for f in FAMILIES if not (f.startswith("qwen3") and _first_layer(method) < DEEPSTACK - 1)
+            ]
         cases += [(family, method) for family in families]
     return cases
 
@@ -243,12 +214,12 @@ def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method
     with priortr.apply(model, method=method, budget=budget) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits[:, -1]
         kept = handle.last.kept - handle.last.visual_start[:, None]
-        n_layers = len(model.model.language_model.layers)
+        n_layers = len(priortr.adapters.adapter_for(model).decoder_layers(model))
         assert kept.shape[1] == handle.config.plan(batch.n_visual, n_layers)[-1][1]
         if priortr.get_method(method).schedule is None:
             assert kept.shape[1] == budget
         for row in range(batch.batch_size):
-            alone = model(**_row(batch, row)).logits[:, -1]
+            alone = model(**row_alone(batch, row)).logits[:, -1]
             assert torch.equal(handle.last.kept - handle.last.visual_start[:, None], kept[row : row + 1])
             torch.testing.assert_close(alone[0], logits[row], atol=1e-7, rtol=0)
 
@@ -317,3 +288,16 @@ def test_methods_command_lists_every_method(capsys):
     assert where["priortr"] == "after decoder layer L"
     assert main(["methods"]) == 0
     assert "PyramidDrop" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("method", "keywords"),
+    [("divprune", {}), ("pdrop", {}), ("priortr", {"layer": 0}), ("fastv", {"stages": [(0, 8), (2, 4)]})],
+)
+def test_deepstack_refuses_pruning_before_the_last_injection(method, keywords):
+    model, batch = setup("qwen3-vl", 1)
+    with pytest.raises(ValueError, match="DeepStack"):
+        priortr.apply(model, method=method, **keywords)
+    with priortr.apply(model, method="priortr", budget=4, layer=DEEPSTACK - 1) as handle, torch.no_grad():
+        model(**batch.kwargs())
+    assert handle.last.stages[0].layer == DEEPSTACK - 1 and handle.last.pruned

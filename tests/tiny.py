@@ -15,7 +15,7 @@ Token-id layout shared by all builders (vocabulary of ``VOCAB`` ids):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -160,16 +160,30 @@ class Batch:
     the visual tokens occupy ``[image_start[r], image_end[r])``, and ``image_end[r]`` holds the
     separator token that follows them (a text token for LLaVA, ``<|vision_end|>`` for Qwen).
     Every row has exactly ``n_visual`` visual tokens.
+
+    Families whose visual tokens are not one run per row (several images, sub-image splits, ragged
+    rows) set ``visual_ids`` (the placeholder ids that ``visual_mask`` finds) and leave the span
+    fields empty; ``extra`` holds any further model inputs (``image_sizes``, ``pixel_values_videos``, ...).
     """
 
     input_ids: torch.LongTensor  # [B, S]
     attention_mask: torch.LongTensor  # [B, S], 0 on left padding
-    pixel_values: torch.Tensor  # LLaVA: [B, 3, H, W]; Qwen: [sum(t*h*w), 3 * temporal_patch * patch**2]
+    pixel_values: (
+        torch.Tensor | None
+    )  # LLaVA: [B, 3, H, W]; Qwen: [sum(t*h*w), 3 * temporal_patch * patch**2]
     image_start: list[int]
     image_end: list[int]
     n_visual: int
     image_grid_thw: torch.LongTensor | None = None  # Qwen only: [B, 3]
     mm_token_type_ids: torch.LongTensor | None = None  # Qwen only: [B, S], 1 on image tokens
+    visual_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """``n_visual`` 0 with ``visual_ids`` means: the rows' common count, if they share one."""
+        if self.n_visual == 0 and self.visual_ids:
+            counts = set(self.visual_mask().sum(dim=1).tolist())
+            self.n_visual = counts.pop() if len(counts) == 1 else 0
 
     @property
     def batch_size(self) -> int:
@@ -181,6 +195,8 @@ class Batch:
 
     def visual_mask(self) -> torch.BoolTensor:
         """[B, S] True on the visual-token positions."""
+        if self.visual_ids:
+            return torch.isin(self.input_ids, torch.tensor(self.visual_ids))
         pos = torch.arange(self.seq_len)
         start = torch.tensor(self.image_start)[:, None]
         end = torch.tensor(self.image_end)[:, None]
@@ -197,7 +213,8 @@ class Batch:
             out["image_grid_thw"] = self.image_grid_thw
         if self.mm_token_type_ids is not None:
             out["mm_token_type_ids"] = self.mm_token_type_ids
-        return out
+        # generate() encodes every modality whose key it is given, even as None
+        return {key: value for key, value in {**out, **self.extra}.items() if value is not None}
 
 
 def _row_lengths(spec: Sequence[int], batch_size: int) -> list[int]:
@@ -242,12 +259,15 @@ def llava_batch(
     seed: int = 0,
     text_before: Sequence[int] = (3,),
     text_after: Sequence[int] = (5,),
+    images: int = 1,
 ) -> Batch:
-    """Rows ``[bos, text x a, <image> x 16, sep, text x b]``, left-padded, one image per row.
+    """Rows ``[bos, text x a, <image> x 16, sep, text x b]``, left-padded, ``images`` images per row
+    (each further image after two more text tokens).
 
     Row ``r``'s tokens and pixels depend only on ``(seed, r)``: row 0 of a 2-row batch is the
     1-row batch plus left padding. ``a``/``b`` per row come from ``text_before``/``text_after``
-    (see ``_row_lengths``).
+    (see ``_row_lengths``). With several images per row the span fields stay empty and
+    ``visual_ids`` finds the visual tokens.
     """
     n_visual = model.config.image_seq_length
     size = model.config.vision_config.image_size
@@ -256,10 +276,23 @@ def llava_batch(
     for r, (a, b) in enumerate(lengths):
         gen = _row_generator(seed, r)
         start = 1 + a
-        rows.append([BOS_ID, *_text(a, gen), *[LLAVA_IMAGE_ID] * n_visual, *_text(1 + b, gen)])
+        row = [BOS_ID, *_text(a, gen), *[LLAVA_IMAGE_ID] * n_visual]
+        for _ in range(images - 1):
+            row += [*_text(2, gen), *[LLAVA_IMAGE_ID] * n_visual]
+        rows.append([*row, *_text(1 + b, gen)])
         ranges.append((start, start + n_visual))
-        pixels.append(torch.randn((3, size, size), generator=gen))
+        pixels += [torch.randn((3, size, size), generator=gen) for _ in range(images)]
     ids, mask, starts, ends = _left_pad(rows, ranges)
+    if images > 1:
+        return Batch(
+            ids,
+            mask,
+            torch.stack(pixels).to(model.dtype),
+            [],
+            [],
+            n_visual * images,
+            visual_ids=(LLAVA_IMAGE_ID,),
+        )
     return Batch(
         ids, mask, torch.stack(pixels).to(model.dtype), starts, ends, n_visual
     )  # pixels [B, 3, H, W]
@@ -268,7 +301,7 @@ def llava_batch(
 def qwen_batch(
     model: Qwen2VLForConditionalGeneration | Qwen2_5_VLForConditionalGeneration,
     batch_size: int = 1,
-    grid: tuple[int, int, int] = (1, 4, 4),
+    grid: tuple[int, int, int] | Sequence[tuple[int, int, int]] = (1, 4, 4),
     seed: int = 0,
     text_before: Sequence[int] = (3,),
     text_after: Sequence[int] = (5,),
@@ -277,17 +310,19 @@ def qwen_batch(
 
     ``grid = (t, h, w)`` is the patch grid of each row's single image (``h``, ``w`` multiples of
     the spatial merge size), so ``N = t*h*w / merge**2`` visual tokens per row (4 by default,
-    16 for ``(1, 8, 8)``). As in ``llava_batch``, row ``r`` depends only on ``(seed, r)``.
+    16 for ``(1, 8, 8)``); a list of grids gives each row its own (a ragged batch, ``n_visual`` 0).
+    As in ``llava_batch``, row ``r`` depends only on ``(seed, r)``.
     """
     vc = model.config.vision_config
-    t, h, w = grid
+    grids = [grid] * batch_size if isinstance(grid[0], int) else list(grid)
     merge = vc.spatial_merge_size
-    assert h % merge == 0 and w % merge == 0, grid
-    n_visual = t * h * w // merge**2
     patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
     rows, ranges, pixels = [], [], []
     lengths = zip(_row_lengths(text_before, batch_size), _row_lengths(text_after, batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
+        t, h, w = grids[r]
+        assert h % merge == 0 and w % merge == 0, grids[r]
+        n_visual = t * h * w // merge**2
         gen = _row_generator(seed, r)
         start = a + 1
         image = [QWEN_VISION_START_ID, *[QWEN_IMAGE_ID] * n_visual, QWEN_VISION_END_ID]
@@ -295,14 +330,15 @@ def qwen_batch(
         ranges.append((start, start + n_visual))
         pixels.append(torch.randn((t * h * w, patch_dim), generator=gen))
     ids, mask, starts, ends = _left_pad(rows, ranges)
+    counts = {end - start for start, end in ranges}
     return Batch(
         ids,
         mask,
-        torch.cat(pixels).to(model.dtype),  # [B * t*h*w, patch_dim]
+        torch.cat(pixels).to(model.dtype),  # [sum(t*h*w), patch_dim]
         starts,
         ends,
-        n_visual,
-        image_grid_thw=torch.tensor([grid] * batch_size, dtype=torch.long),  # [B, 3]
+        counts.pop() if len(counts) == 1 else 0,
+        image_grid_thw=torch.tensor(grids, dtype=torch.long),  # [B, 3]
         mm_token_type_ids=(ids == QWEN_IMAGE_ID).long(),  # [B, S]: 0 text, 1 image (2 would be video)
     )
 
@@ -310,18 +346,3 @@ def qwen_batch(
 def qwen_batch_12(model, batch_size: int) -> Batch:
     """``qwen_batch`` with a 6x8 patch grid: 12 visual tokens per row."""
     return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))
-
-
-FAMILIES = {
-    "llava": (tiny_llava, llava_batch),
-    "qwen2.5-vl": (tiny_qwen2_5_vl, qwen_batch_12),
-    "qwen2-vl": (tiny_qwen2_vl, qwen_batch_12),
-}
-"""Every supported family: (model builder, batch builder)."""
-
-
-def setup(family: str, batch_size: int) -> tuple[PreTrainedModel, Batch]:
-    """A tiny float64 model of ``family`` and a left-padded batch for it."""
-    build, make_batch = FAMILIES[family]
-    model = build()
-    return model, make_batch(model, batch_size=batch_size)

@@ -10,6 +10,7 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.engine import (
+    BEFORE_LLM,
     DEFAULT_LAYER,
     HEAD_AGGREGATIONS,
     POSTERIOR_ROWS,
@@ -18,6 +19,7 @@ from priortr.engine import (
     PruningEngine,
 )
 from priortr.methods import MethodInfo, get_method
+from priortr.pools import MULTI_IMAGE
 from priortr.scoring import resolve_budget
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -65,6 +67,7 @@ def apply(
     heads: str = "mean",
     posterior_rows: str = "after_separator",
     separator_offset: int = 0,
+    multi_image: str = "per_image",
     strict: bool = False,
     seed: int = 0,
 ) -> PruningHandle:
@@ -74,8 +77,10 @@ def apply(
         model: a supported ``*ForConditionalGeneration`` (see ``priortr.supported_model_types()``).
         method: a method by name (``priortr.available_methods()``, ``priortr methods``); ``priortr`` is
             the paper's Eq. (8), P * log((P + eps) / (Q + eps)).
-        budget: visual tokens kept per image: an int count K, or a ratio in (0, 1) of the image's
-            tokens. A budget covering every token leaves outputs bit-identical to the stock model.
+        budget: visual tokens kept per prompt: an int count K, or a ratio in (0, 1) of each image's
+            (or video's) tokens. A prompt with several images splits a count over them in proportion
+            to their token counts. A budget covering every token leaves outputs bit-identical to the
+            stock model.
         layer: for one-layer methods, the 0-indexed decoder layer that is scored, in
             [0, num_layers - 2] (default 2); layers ``layer + 1 ..`` run on the kept tokens and the KV
             cache of layers ``0 .. layer`` is pruned. Methods that prune before the language model or
@@ -87,6 +92,9 @@ def apply(
         posterior_rows: rows averaged into P: ``after_separator`` (every prompt token after the
             separator), ``from_separator`` (the separator too), or ``last``.
         separator_offset: the prior is read this many tokens after the first post-image token.
+        multi_image: ``per_image`` (each image or video ranked alone, its Q and P normalised over its
+            own tokens, under its share of the budget) or ``global`` (a prompt's images ranked
+            together under one budget; ``priortr.pools``).
         strict: raise instead of warning when a prompt has nothing to prune.
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
     """
@@ -108,6 +116,8 @@ def apply(
         raise ValueError(f"posterior_rows must be one of {', '.join(POSTERIOR_ROWS)}; got {posterior_rows!r}")
     if isinstance(separator_offset, bool) or not isinstance(separator_offset, int) or separator_offset < 0:
         raise ValueError(f"separator_offset must be an int >= 0; got {separator_offset!r}")
+    if multi_image not in MULTI_IMAGE:
+        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
     if model in _ATTACHED:
         raise ValueError("this model already has priortr attached; call .remove() on that handle first")
     config = PruningConfig(
@@ -119,9 +129,11 @@ def apply(
         heads=heads,
         posterior_rows=posterior_rows,
         separator_offset=separator_offset,
+        multi_image=multi_image,
         strict=strict,
         seed=seed,
     )
+    _check_injection(config, adapter.injected_layers(model), n_layers)
     engine = PruningEngine(model, adapter, config)
     engine.attach()
     handle = PruningHandle(engine)
@@ -146,6 +158,21 @@ def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
             f"(the scored layer must have a layer after it); got {layer!r}"
         )
     return layer
+
+
+def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:
+    """Refuse stages that would prune while the model still adds visual features to the hidden states
+    (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers)."""
+    if injected == 0:
+        return
+    first = min(layer for layer, _ in config.plan(1 << 20, n_layers))
+    if first < injected - 1:
+        where = "before the language model" if first == BEFORE_LLM else f"after layer {first}"
+        raise ValueError(
+            f"this model adds visual features to the outputs of decoder layers 0..{injected - 1} "
+            "(DeepStack), "
+            f"so {config.method.name} cannot prune {where}; score layer {injected - 1} or later"
+        )
 
 
 def _check_stages(

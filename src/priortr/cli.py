@@ -136,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif last is None:
         print("visual tokens kept: all (the prompt had nothing to prune)")
     else:
-        print(f"visual tokens kept: {last.kept.shape[-1]} / {last.n_visual}")
+        print(f"visual tokens kept: {int((last.kept[0] >= 0).sum())} / {int(last.n_visual[0])}")
     print(f"prefill: {timer.ms:.1f} ms")
     return 0
 

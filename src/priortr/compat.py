@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from priortr.surgery import gather_attention_mask
+from priortr.surgery import explicit_causal_mask, gather_attention_mask, hide_key_columns
 
 PRUNABLE_CACHE_LAYERS = (DynamicLayer, StaticLayer)
 
@@ -65,14 +65,29 @@ def padding_mask(attention_mask: Any, batch: int, seq: int, device: torch.device
     raise ValueError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
 
 
-def gather_layer_mask(mask: Any, index: torch.Tensor, seq: int, static_slots: bool) -> Any:
-    """The per-layer mask for layers after the prune (see ``surgery.gather_attention_mask``)."""
+def gather_layer_mask(
+    mask: Any,
+    index: torch.Tensor,
+    seq: int,
+    static_slots: bool,
+    hidden: torch.Tensor | None = None,
+    implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """The per-layer mask for layers after the prune (see ``surgery.gather_attention_mask``), with the
+    key columns ``hidden`` [B, S'] (padding of ragged rows) masked; ``implementation`` and ``dtype`` say
+    which kind of mask to build where the model passed none."""
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise ValueError(
             f"priortr cannot prune with a {type(mask).__name__} attention mask (flex attention); "
             "load the model with attn_implementation='sdpa', 'eager' or 'flash_attention_2'"
         )
-    return gather_attention_mask(mask, index, seq, static_slots)
+    mask = gather_attention_mask(mask, index, seq, static_slots)
+    if hidden is None or not bool(hidden.any()):
+        return mask
+    if mask is None:
+        return explicit_causal_mask(hidden, implementation, dtype)
+    return hide_key_columns(mask, hidden)
 
 
 def map_hidden_states(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

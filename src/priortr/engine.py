@@ -3,17 +3,20 @@
 It attaches PyTorch module hooks to a stock transformers model (no copied modeling code) and, during
 the prefill of a prompt with an image:
 
-1. records the image span from ``input_ids`` (the separator is the slot right after it, Appendix A.3)
-   and plans the method's stages: before the language model, after one decoder layer, or after
-   several (``priortr.methods``);
-2. at each stage gathers the evidence the method asks for: attention rows recomputed from the scored
-   layer's own query/key projections (``probe.attention_rows``), the visual tokens' hidden states,
-   the vision tower's [CLS] attention, and calls the method's selector;
+1. finds every image and video of every row (``adapter.visual_items``; each item's separator is the
+   slot right after it, Appendix A.3), groups them into pools ranked together (``priortr.pools``) and
+   plans the method's stages: before the language model, after one decoder layer, or after several
+   (``priortr.methods``);
+2. at each stage, before the next layer runs, gathers the evidence the method asks for: attention
+   rows recomputed from the scored layer's own query/key projections (``probe.attention_rows``), the
+   visual tokens' hidden states, the vision tower's [CLS] attention, and calls the method's selector
+   once per group of equally sized pools;
 3. keeps the selected visual tokens (merging hidden states where the selector says so): the hidden
    states, the KV cache of layers 0..L are gathered, and later layers receive gathered RoPE (cos, sin)
-   and masks, so kept tokens keep their original positions (paper Algorithm 1, Phase 3);
-4. remembers, per cache object, which prompt columns were dropped, so that decode steps and later
-   chat turns on the same cache get masks and positions that match the shorter cache.
+   and masks, so kept tokens keep their original positions (paper Algorithm 1, Phase 3). Rows left
+   with fewer tokens than others keep some pruned tokens as padding, masked from every query;
+4. remembers, per cache object, which prompt columns were dropped or masked, so that decode steps
+   and later chat turns on the same cache get masks and positions that match the shorter cache.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from torch import nn
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
+from priortr.evidence import PoolAttention, pool_attention
 from priortr.methods import MethodInfo
+from priortr.pools import Pool, make_pools, split_count
 from priortr.probe import RowSpec, apply_rope, attention_rows, cls_attention
-from priortr.scoring import Evidence, aggregate_heads, build_evidence, resolve_budget
+from priortr.scoring import aggregate_heads, build_evidence, resolve_budget
 from priortr.selection import Selection, StageInputs
 from priortr.surgery import compact_cache_layer, drop_columns, gather_sequence
 
@@ -59,7 +64,8 @@ class PruningConfig:
     ``posterior_rows`` chooses the rows averaged into P: every prompt token after the separator
     (default), the separator too (as the authors' code does), or the last prompt token only.
     ``separator_offset`` moves the prior's slot that many tokens after the first post-image token
-    (the paper's null-token ablation).
+    (the paper's null-token ablation). ``multi_image`` says how the items of a row share the budget
+    (``priortr.pools``).
     """
 
     method: MethodInfo
@@ -70,14 +76,27 @@ class PruningConfig:
     heads: str = "mean"
     posterior_rows: str = "after_separator"
     separator_offset: int = 0
+    multi_image: str = "per_image"
     strict: bool = False
     seed: int = 0
 
-    def plan(self, n_visual: int, n_layers: int) -> list[tuple[int, int]]:
-        """The (layer, tokens kept after it) stages for an image of ``n_visual`` tokens."""
+    def plan(
+        self, n_visual: int, n_layers: int, part: tuple[int, int] | None = None
+    ) -> list[tuple[int, int]]:
+        """The (layer, tokens kept after it) stages for a pool of ``n_visual`` tokens.
+
+        ``part`` = (the row's visual tokens before this pool, all of them) splits a count budget over
+        the pools of a row in proportion to their sizes (``pools.split_count``); ratios need no split.
+        """
+
+        def count(budget: int | float) -> int:
+            if part is not None and isinstance(budget, int):
+                budget = split_count(budget, part[0], n_visual, part[1])
+            return resolve_budget(budget, n_visual)
+
         if self.stages is not None:
-            return [(layer, resolve_budget(budget, n_visual)) for layer, budget in self.stages]
-        kept = resolve_budget(self.budget, n_visual)
+            return [(layer, count(budget)) for layer, budget in self.stages]
+        kept = count(self.budget)
         if self.method.schedule is not None:
             return self.method.schedule(kept, n_visual, self.layer, n_layers)
         return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
@@ -87,13 +106,20 @@ class PruningConfig:
 class StageResult:
     """One stage of a pruned prefill: the scored layer (-1: before the LLM) and what survived it.
 
-    ``kept`` [B, K] holds absolute prompt positions, ascending; ``merged`` says whether survivors
-    carry merged hidden states.
+    ``kept`` [B, K] holds the absolute prompt positions of every row's surviving visual tokens,
+    ascending, padded with -1 where rows kept fewer; ``merged`` says whether survivors carry merged
+    hidden states.
     """
 
     layer: int
     kept: torch.Tensor
     merged: bool
+
+    def kept_mask(self, seq: int) -> torch.Tensor:
+        """[B, seq] True at the surviving visual tokens' positions."""
+        mask = torch.zeros(self.kept.shape[0], seq + 1, dtype=torch.bool, device=self.kept.device)
+        mask.scatter_(1, self.kept.where(self.kept >= 0, seq), True)
+        return mask[:, :seq]
 
 
 @dataclass(frozen=True)
@@ -101,24 +127,30 @@ class PruneResult:
     """What one pruned prefill kept, and why (``handle.last``).
 
     Attributes:
-        kept: [B, K] absolute prompt positions of the visual tokens left after the last stage, ascending.
-        n_visual: visual tokens of each image before pruning (N).
-        prior, posterior, scores: [B, N] float32 Q, P and the rule's scores over the visual tokens at
-            the first stage, for methods that rank by a scoring rule; None otherwise.
+        kept: [B, K] absolute prompt positions of the visual tokens left after the last stage,
+            ascending, padded with -1 where a row kept fewer (ragged batches).
+        n_visual: [B] visual tokens of each row before pruning (all its images and videos).
+        prior, posterior, scores: [B, N] float32 Q, P and the rule's scores over each row's visual
+            tokens in prompt order at the first stage (NaN past a row's own count), for methods that
+            rank by a scoring rule; None otherwise. With several images per row each image's Q and P
+            are normalised over its own tokens (``multi_image='per_image'``).
         visual_start: [B] absolute position of each row's first visual token.
         positions: [B, S'] original prompt position of every token left after the last stage, i.e. of
             each row of the logits that a plain forward returns.
+        padding: [B, S'] True at pruned tokens kept only so that rows have one length (ragged
+            batches); they are masked from every query and their logits are meaningless.
         pruned: False when the budget covers every visual token (nothing was removed).
         stages: every stage in order.
     """
 
     kept: torch.Tensor
-    n_visual: int
+    n_visual: torch.Tensor
     prior: torch.Tensor | None
     posterior: torch.Tensor | None
     scores: torch.Tensor | None
     visual_start: torch.Tensor
     positions: torch.Tensor
+    padding: torch.Tensor
     pruned: bool
     stages: tuple[StageResult, ...]
 
@@ -128,7 +160,8 @@ class _CacheRecord:
     """How a pruned cache differs from the sequence it stands for."""
 
     keep: torch.Tensor  # [B, S_prompt] bool, True where the prompt token is still cached
-    dropped: int  # visual tokens removed from every row
+    padding: torch.Tensor  # [B, S_cached] bool, True at cached prompt tokens masked from every query
+    dropped: int  # prompt tokens removed from every row
     logical_length: int  # tokens the cache stands for, pruned ones included
     next_position: torch.Tensor  # [B] text position of the next token
 
@@ -137,46 +170,64 @@ class _CacheRecord:
 class _Prefill:
     """State of one prefill forward pass, from the model's pre-hook to its post-hook.
 
-    Positions are absolute prompt positions; ``index`` maps the current (shorter) sequence to them.
-    Text before the image is never dropped, so each row's visual tokens stay one run from ``start``.
+    Positions are absolute prompt positions; ``index`` [B, S'] maps the current (shorter) sequence to
+    them, and ``padding`` [B, S'] flags the pruned tokens that stay only to give rows one length.
     """
 
-    start: torch.Tensor  # [B] first visual position
-    separator: torch.Tensor  # [B] prior row
-    n_visual: int
-    stages: list[tuple[int, int]]  # (layer, kept) still to run, in order
+    pools: list[Pool]
+    layers: list[int]  # stage layers still to run, in order
+    visual: torch.Tensor  # [B, S] True on every visual token
     key_valid: torch.Tensor  # [B, S] False on padding
     last_row: torch.Tensor  # [B] last non-padding position
-    posterior_rows: str
     next_position: torch.Tensor  # [B]
-    n_current: int = 0  # visual tokens left
-    index: torch.Tensor | None = None  # [B, S'] once pruned
+    index: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
     cache: Any = None
     captured: dict[str, Any] = field(default_factory=dict)
     done: list[StageResult] = field(default_factory=list)
-    first_scores: tuple[Evidence, torch.Tensor] | None = None
+    published: dict[str, torch.Tensor] | None = None
     memo: dict[int, Any] = field(default_factory=dict)
 
     @property
-    def shift(self) -> int:
-        """Visual tokens dropped so far: every position after the image moved this far forward."""
-        return self.n_visual - self.n_current
+    def pending(self) -> int | None:
+        """The next stage's scored layer, or None when every stage ran."""
+        return self.layers[0] if self.layers else None
 
-    def current_key_valid(self) -> torch.Tensor:
-        return self.key_valid if self.index is None else self.key_valid.gather(1, self.index)
+    def current(self) -> torch.Tensor:
+        """[B, S] the current column of each absolute position, -1 where it was dropped."""
+        batch, seq = self.key_valid.shape
+        if self.index is None:
+            return torch.arange(seq, device=self.key_valid.device).expand(batch, seq)
+        current = torch.full((batch, seq), -1, dtype=torch.long, device=self.key_valid.device)
+        columns = torch.arange(self.index.shape[1], device=current.device).expand_as(self.index)
+        return current.scatter(1, self.index.to(current.device), columns)
 
-    def visual_columns(self) -> torch.Tensor:
-        """[B, N'] current positions of the visual tokens left."""
-        return self.start[:, None] + torch.arange(self.n_current, device=self.start.device)
+    def gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [B, S] at the current sequence's positions."""
+        return values if self.index is None else values.gather(1, self.index.to(values.device))
 
-    def posterior_valid(self, first_row: int, n_rows: int) -> torch.Tensor:
-        """[B, R] which current rows ``first_row ..`` are averaged into P (see ``PruningConfig``)."""
-        position = torch.arange(first_row, first_row + n_rows, device=self.key_valid.device)[None]  # [1, R]
-        if self.posterior_rows == "last":
-            return position == (self.last_row - self.shift)[:, None]
-        separator = (self.separator - self.shift)[:, None]
-        after = position > separator if self.posterior_rows == "after_separator" else position >= separator
-        return after & self.current_key_valid()[:, first_row:]
+    def current_padding(self) -> torch.Tensor:
+        if self.padding is None:
+            return torch.zeros_like(self.gathered(self.key_valid))
+        return self.padding
+
+    def survivors(self) -> torch.Tensor:
+        """[B, K] absolute positions of every row's surviving visual tokens, padded with -1."""
+        rows = [[] for _ in range(self.key_valid.shape[0])]
+        for pool in self.pools:
+            rows[pool.row].append(pool.positions)
+        return _pad_rows(
+            [torch.cat(row) if row else self.visual.new_zeros(0, dtype=torch.long) for row in rows]
+        )
+
+
+def _pad_rows(rows: list[torch.Tensor], fill: float = -1) -> torch.Tensor:
+    """Stack 1-D tensors of different lengths into [B, max], each sorted, padded with ``fill``."""
+    width = max(row.numel() for row in rows)
+    out = torch.full((len(rows), width), fill, dtype=rows[0].dtype, device=rows[0].device)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row.sort().values if row.dtype == torch.long else row
+    return out
 
 
 def _has_raw_pixels(call: dict) -> bool:
@@ -225,10 +276,9 @@ class PruningEngine:
         ]
         for index, layer in enumerate(self.layers):
             attention = self.adapter.attention(layer)
-            self._handles += [
-                layer.register_forward_pre_hook(self._layer_call_hook(index), with_kwargs=True),
-                layer.register_forward_hook(self._layer_return_hook(index)),
-            ]
+            self._handles.append(
+                layer.register_forward_pre_hook(self._layer_call_hook(index), with_kwargs=True)
+            )
             if "attention" in self.config.method.needs:
                 self._handles += [
                     self.adapter.query_projection(attention).register_forward_hook(self._capture(index, "q")),
@@ -270,85 +320,71 @@ class PruningEngine:
         self._vision_capture = {}
 
     def _plan(self, call: dict) -> _Prefill | None:
-        """Find the image span of every row and check that the prompt can be pruned."""
+        """Find every row's images and videos and check that the prompt can be pruned."""
         input_ids = call.get("input_ids")
         if input_ids is None:
             return self._skip(
                 "the model was called with inputs_embeds only, so the image tokens cannot be found"
             )
-        token_ids = self.adapter.visual_token_ids(self.model.config)
-        for modality, token_id in token_ids.items():
-            if modality != "image" and bool((input_ids == token_id).any()):
-                raise ValueError(
-                    f"the prompt holds {modality} tokens; priortr prunes image tokens only for this family"
-                )
-        is_visual = input_ids == token_ids["image"]  # [B, S]
-        counts = is_visual.sum(dim=1)
-        if int(counts.max()) == 0:
+        items = self.adapter.visual_items(self.model.config, input_ids)
+        if not items:
             return self._skip("the prompt has no image tokens")
-        if int(counts.min()) != int(counts.max()):
-            raise ValueError(
-                f"rows of the batch hold different numbers of visual tokens ({counts.tolist()}); "
-                "run them in separate batches"
-            )
         batch, seq = input_ids.shape
-        n_visual = int(counts[0])
-        start = is_visual.int().argmax(dim=1)  # [B]
-        if not self._contiguous(is_visual, start, n_visual):
-            raise ValueError(
-                "a prompt holds several images (or a split image span); priortr prunes one image per prompt"
-            )
-        needs_attention = "attention" in self.config.method.needs
-        separator = start + n_visual + self.config.separator_offset
-        if needs_attention and int(separator.max()) >= seq:
-            raise ValueError(
-                f"the image ends the prompt: the separator slot ({self.adapter.separator_token}, offset "
-                f"{self.config.separator_offset}) does not exist. Put the instruction after the image"
-            )
-        key_valid = compat.padding_mask(call.get("attention_mask"), batch, seq, input_ids.device)
-        separator = separator.clamp(max=seq - 1)
-        if needs_attention and not bool(key_valid.gather(1, separator[:, None]).all()):
-            raise ValueError(
-                "the separator slot after the image is a padding token; check the attention mask"
-            )
+        device = input_ids.device
+        visual = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+        for item in items:
+            visual[item.row, item.positions] = True
+        key_valid = compat.padding_mask(call.get("attention_mask"), batch, seq, device)
         last_row = seq - 1 - key_valid.flip(1).int().argmax(dim=1)  # [B] last non-padding position
-        if (
-            needs_attention
-            and self.config.posterior_rows == "after_separator"
-            and bool((separator >= last_row).any())
-        ):
-            raise ValueError(
-                "no instruction token follows the separator, so there is no posterior to score with; put the "
-                "question after the image, or use posterior_rows='from_separator'"
-            )
+        pools = make_pools(
+            items,
+            lambda n, part: self.config.plan(n, len(self.layers), part),
+            self.config.multi_image,
+            self.config.separator_offset,
+        )
+        if "attention" in self.config.method.needs:
+            for pool in pools:
+                self._check_separators(pool, visual, key_valid)
         text_positions = self.adapter.text_positions(self.model, call.get("position_ids"))
         if text_positions is None:
-            next_position = torch.full((batch,), seq, device=input_ids.device)
+            next_position = torch.full((batch,), seq, device=device)
         else:
             next_position = text_positions.amax(dim=-1).expand(batch) + 1
         prefill = _Prefill(
-            start=start,
-            separator=separator,
-            n_visual=n_visual,
-            n_current=n_visual,
-            stages=self.config.plan(n_visual, len(self.layers)),
+            pools=pools,
+            layers=sorted({layer for pool in pools for layer in pool.stages}),
+            visual=visual,
             key_valid=key_valid,
             last_row=last_row,
-            posterior_rows=self.config.posterior_rows,
             next_position=next_position,
         )
-        if not prefill.stages:  # the budget covers every visual token
+        if not prefill.layers:  # the budget covers every visual token
             self._finish(prefill)
             return None
         return prefill
 
-    @staticmethod
-    def _contiguous(is_visual: torch.Tensor, start: torch.Tensor, n_visual: int) -> bool:
-        """Whether each row's N visual tokens form one run starting at ``start``."""
-        span = start[:, None] + torch.arange(n_visual, device=start.device)  # [B, N]
-        if int(span.max()) >= is_visual.shape[1]:
-            return False
-        return bool(is_visual.gather(1, span).all())
+    def _check_separators(self, pool: Pool, visual: torch.Tensor, key_valid: torch.Tensor) -> None:
+        """Each item's prior slot must be a real text token, and an instruction must follow it."""
+        seq = visual.shape[1]
+        row = pool.row
+        for separator in pool.separators:
+            if separator >= seq:
+                raise ValueError(
+                    f"an image ends the prompt: the separator slot ({self.adapter.separator_token}, offset "
+                    f"{self.config.separator_offset}) does not exist. Put the instruction after the image"
+                )
+            if not bool(key_valid[row, separator]) or bool(visual[row, separator]):
+                raise ValueError(
+                    "the separator slot after an image is a padding or visual token; check the attention "
+                    "mask and separator_offset"
+                )
+        after = max(pool.separators) + 1
+        text = key_valid[row, after:] & ~visual[row, after:]
+        if self.config.posterior_rows == "after_separator" and not bool(text.any()):
+            raise ValueError(
+                "no instruction token follows the separator, so there is no posterior to score with; put the "
+                "question after the image, or use posterior_rows='from_separator'"
+            )
 
     def _skip(self, reason: str) -> None:
         if self.config.strict:
@@ -388,6 +424,10 @@ class PruningEngine:
                         f"{record.next_position.tolist()}, got {first.tolist()}"
                     )
         mask = call.get("attention_mask")
+        if mask is None and bool(record.padding.any()):
+            mask = torch.ones(
+                batch, record.logical_length + n_in, dtype=torch.long, device=record.keep.device
+            )
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             expected = record.logical_length + n_in
             if mask.shape[1] != expected:
@@ -396,26 +436,34 @@ class PruningEngine:
                     f"{record.logical_length} tokens plus {n_in} new ones; "
                     "pass the mask of the whole conversation"
                 )
-            call["attention_mask"] = drop_columns(mask, record.keep)
+            mask = drop_columns(mask, record.keep)
+            cached = record.padding.shape[1]
+            mask[:, :cached] = mask[:, :cached] * (~record.padding).to(mask.device, mask.dtype)
+            call["attention_mask"] = mask
         record.logical_length += n_in
         record.next_position = record.next_position + n_in
 
     # -- decoder layers ----------------------------------------------------------------------------
 
     def _layer_call_hook(self, layer: int) -> Callable:
+        """Before layer ``layer``: run the stage scored at the layer before it (so anything the model
+        adds to the hidden states between layers, e.g. DeepStack features, is in), then hand the layer
+        the gathered RoPE and mask, and note what a stage scored at this layer will need."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             prefill = self._prefill
             if prefill is None:
                 return None
-            if layer == 0 and prefill.stages and prefill.stages[0][0] == BEFORE_LLM:
-                prefill.cache = kwargs.get("past_key_values")
+            if prefill.pending == layer - 1:
+                if prefill.pending == BEFORE_LLM:
+                    prefill.cache = kwargs.get("past_key_values")
                 hidden = self._run_stage(prefill, _hidden_argument(args, kwargs))
                 args, kwargs = _replace_hidden_argument(args, kwargs, hidden)
-                if not prefill.stages:
+                if prefill.pending is None:
                     self._finish(prefill)
             if prefill.index is not None:
                 self._gather_layer_inputs(prefill, kwargs)
-            if prefill.stages and prefill.stages[0][0] == layer:
+            if prefill.pending == layer:
                 cache = kwargs.get("past_key_values")
                 if cache is not None:
                     compat.check_prunable_cache(cache, layer)
@@ -426,22 +474,10 @@ class PruningEngine:
 
         return hook
 
-    def _layer_return_hook(self, layer: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            prefill = self._prefill
-            if prefill is None or not prefill.stages or prefill.stages[0][0] != layer:
-                return None
-            new_output = compat.map_hidden_states(output, lambda hidden: self._run_stage(prefill, hidden))
-            if not prefill.stages:
-                self._finish(prefill)
-            return new_output
-
-        return hook
-
     def _capture(self, layer: int, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             prefill = self._prefill
-            if prefill is not None and prefill.stages and prefill.stages[0][0] == layer:
+            if prefill is not None and prefill.pending == layer:
                 prefill.captured[name] = output
 
         return hook
@@ -460,9 +496,14 @@ class PruningEngine:
             kwargs["position_embeddings"],
             lambda rope: tuple(gather_sequence(part, prefill.index) for part in rope),
         )
+        hidden = kwargs["position_embeddings"][0]
+        implementation = getattr(self.model.config.get_text_config(), "_attn_implementation", None) or "sdpa"
+        mask = kwargs.get("attention_mask")
         kwargs["attention_mask"] = self._memo(
-            kwargs.get("attention_mask"),
-            lambda mask: compat.gather_layer_mask(mask, prefill.index, seq, static),
+            mask if mask is not None else prefill.index,
+            lambda value: compat.gather_layer_mask(
+                mask, prefill.index, seq, static, prefill.padding, implementation, hidden.dtype
+            ),
         )
         # Gapped position ids would read as packed sequences to FlashAttention; RoPE is already applied
         # through the gathered (cos, sin), so layers need no position ids.
@@ -483,93 +524,155 @@ class PruningEngine:
     @torch.no_grad()
     def _run_stage(self, prefill: _Prefill, hidden: torch.Tensor) -> torch.Tensor:
         """Select the visual tokens that survive this stage and cut everything else out of the sequence."""
-        layer, budget = prefill.stages.pop(0)
-        columns = prefill.visual_columns()  # [B, N']
-        visual_hidden = gather_sequence(hidden, columns)  # [B, N', D]
-        budget = min(budget, prefill.n_current)
-        selection = self._select(prefill, budget, visual_hidden)
-        prefill.captured.clear()
-        batch, seq = hidden.shape[:2]
-        kept = selection.kept.to(columns.device)
-        if kept.shape[0] != batch or kept.shape[1] > prefill.n_current:
-            raise ValueError(
-                f"method {self.config.method.name!r} kept {tuple(kept.shape)} visual tokens for a batch of "
-                f"{batch} images of {prefill.n_current} tokens"
-            )
-        if kept.shape[1] == prefill.n_current and selection.merge is None:
-            prefill.done.append(StageResult(layer, self._absolute(prefill, columns), merged=False))
+        layer = prefill.layers.pop(0)
+        current = prefill.current()  # [B, S]
+        alive = ~prefill.current_padding()  # [B, S']
+        merges = []
+        changed = False
+        attention = self._attention_rows(prefill) if "attention" in self.config.method.needs else None
+        for pools, selection, visual_hidden in self._select(prefill, layer, hidden, current, attention):
+            for g, pool in enumerate(pools):
+                kept = selection.kept[g].to(current.device)
+                columns = current[pool.row, pool.positions]
+                alive[pool.row, columns] = False
+                alive[pool.row, columns[kept]] = True
+                if selection.merge is not None:
+                    merges.append((pool.row, columns[kept], selection.merge[g], visual_hidden[g]))
+                changed |= kept.numel() < pool.size or selection.merge is not None
+                pool.keep(kept)
+        if not changed:
+            prefill.done.append(StageResult(layer, prefill.survivors(), merged=False))
             return hidden
-        keep = torch.ones(batch, seq, dtype=torch.bool, device=columns.device)
-        keep.scatter_(1, columns, False)
-        keep.scatter_(1, prefill.start[:, None] + kept, True)
-        index = keep.nonzero()[:, 1].view(batch, -1)  # [B, S''] current positions kept
+        index = self._same_length(alive)  # [B, S''] current columns that stay
         out = gather_sequence(hidden, index)
-        if selection.merge is not None:
+        for row, columns, weights, visual in merges:
             dtype = torch.promote_types(hidden.dtype, torch.float32)
-            merged = torch.matmul(selection.merge.to(hidden.device, dtype), visual_hidden.to(dtype))
-            slots = prefill.start[:, None] + torch.arange(kept.shape[1], device=columns.device)  # [B, K]
-            out = out.scatter(
-                1, slots[..., None].expand(-1, -1, out.shape[-1]).to(out.device), merged.to(out.dtype)
-            )
+            merged = torch.matmul(weights.to(hidden.device, dtype), visual.to(hidden.device, dtype))
+            slots = torch.searchsorted(index[row].to(columns.device), columns)
+            out[row, slots.to(out.device)] = merged.to(out.dtype)
         if layer != BEFORE_LLM and prefill.cache is not None:
             static = compat.is_static_cache(prefill.cache)
             for cache_layer in compat.cache_layers(prefill.cache)[: layer + 1]:
-                compact_cache_layer(cache_layer, index, seq, static)
+                compact_cache_layer(cache_layer, index, hidden.shape[1], static)
+        padding = ~alive.gather(1, index)
         prefill.index = index if prefill.index is None else prefill.index.gather(1, index)
-        prefill.n_current = kept.shape[1]
+        prefill.padding = padding if bool(padding.any()) else None
         prefill.memo.clear()
-        prefill.done.append(
-            StageResult(layer, self._absolute(prefill, prefill.visual_columns()), selection.merge is not None)
-        )
+        prefill.done.append(StageResult(layer, prefill.survivors(), bool(merges)))
         return out
 
-    def _select(self, prefill: _Prefill, budget: int, visual_hidden: torch.Tensor) -> Selection:
-        """Gather the evidence the method needs and ask its selector."""
-        method = self.config.method
-        evidence: dict[str, Any] = {}
-        if "attention" in method.needs:
-            evidence.update(self._attention_evidence(prefill))
-        if "vision" in method.needs:
-            evidence.update(self._vision_evidence(visual_hidden.shape[0], prefill.n_current))
-        inputs = StageInputs(budget=budget, hidden=visual_hidden, seed=self.config.seed, **evidence)
-        selection = method.select(inputs, **self.config.options)
-        if not prefill.done and inputs.attention is not None and selection.scores is not None:
-            prefill.first_scores = (inputs.attention, selection.scores)
-        return selection
+    @staticmethod
+    def _same_length(alive: torch.Tensor) -> torch.Tensor:
+        """[B, S''] the columns to keep: every ``alive`` one, plus, in rows that kept fewer than the
+        longest, their first dropped columns as padding so that every row has the same length."""
+        missing = alive.sum(dim=1).amax() - alive.sum(dim=1)  # [B]
+        dropped = ~alive
+        filler = dropped & (dropped.long().cumsum(dim=1) <= missing[:, None])
+        keep = alive | filler
+        return keep.nonzero()[:, 1].view(alive.shape[0], -1)
 
-    def _attention_evidence(self, prefill: _Prefill) -> dict[str, Any]:
-        """Prior, posterior, last-token row and instruction rows from the rows after the image (App. A.3)."""
+    def _select(
+        self,
+        prefill: _Prefill,
+        layer: int,
+        hidden: torch.Tensor,
+        current: torch.Tensor,
+        attention: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> list[tuple[list[Pool], Selection, torch.Tensor]]:
+        """Ask the method's selector, once per group of pools with equal size and budget."""
+        groups: dict[tuple[int, int], list[Pool]] = {}
+        for pool in prefill.pools:
+            if layer in pool.stages:
+                groups.setdefault((pool.size, min(pool.stages[layer], pool.size)), []).append(pool)
+        method = self.config.method
+        out = []
+        for (size, budget), pools in groups.items():
+            columns = torch.stack([current[pool.row, pool.positions] for pool in pools])  # [G, n]
+            rows = torch.tensor([pool.row for pool in pools], device=hidden.device)
+            visual_hidden = hidden[rows[:, None], columns.to(hidden.device)]  # [G, n, D]
+            evidence: dict[str, Any] = {}
+            pieces = None
+            if attention is not None:
+                pieces = [self._pool_attention(prefill, pool, attention, current) for pool in pools]
+                evidence.update(self._stack_attention(pieces))
+            if "vision" in method.needs:
+                evidence.update(self._vision_evidence(prefill, pools))
+            inputs = StageInputs(budget=budget, hidden=visual_hidden, seed=self.config.seed, **evidence)
+            selection = method.select(inputs, **self.config.options)
+            if tuple(selection.kept.shape) != (len(pools), budget) and not (
+                selection.kept.shape[0] == len(pools) and selection.kept.shape[1] <= size
+            ):
+                raise ValueError(
+                    f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
+                    f"{len(pools)} images of {size} tokens"
+                )
+            if not prefill.done and selection.scores is not None and inputs.attention is not None:
+                self._publish(prefill, pools, inputs, selection)
+            out.append((pools, selection, visual_hidden))
+        return out
+
+    def _attention_rows(self, prefill: _Prefill) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention [B, H, R, S'] of every row's text rows from its earliest separator on, with their
+        absolute positions [B, R] (-1 on padding rows): all the prior and posterior rows (App. A.3)."""
         captured = prefill.captured
         attention = captured["attention"]
         queries, keys = self.adapter.queries_and_keys(attention, captured["q"], captured["k"])
-        first = int((prefill.separator - prefill.shift).min())
+        batch = queries.shape[0]
+        first = torch.full((batch,), prefill.visual.shape[1], device=prefill.visual.device)
+        for pool in prefill.pools:
+            first[pool.row] = min(int(first[pool.row]), min(pool.separators))
+        absolute = prefill.gathered(
+            torch.arange(prefill.visual.shape[1], device=first.device).expand_as(prefill.visual)
+        )
+        text = prefill.gathered(prefill.key_valid & ~prefill.visual) & (absolute >= first[:, None])
+        counts = text.sum(dim=1)
+        width = max(int(counts.max()), 1)
+        order = torch.sort(text.long(), dim=1, descending=True, stable=True).indices[:, :width]  # [B, R]
+        real = torch.arange(width, device=order.device)[None] < counts[:, None]
+        rows = torch.where(real, order, 0)
         cos, sin = captured["rope"]
-        queries = apply_rope(queries[:, :, first:], cos[:, first:], sin[:, first:])  # [B, H, R, d]
-        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S, d]
-        attn = attention_rows(queries, keys, RowSpec(first, prefill.current_key_valid()), attention.scaling)
-        batch, heads, n_rows, _ = attn.shape
-        n = prefill.n_current
-        columns = prefill.visual_columns()  # [B, N]
-        visual = attn.gather(3, columns[:, None, None, :].expand(batch, heads, n_rows, n))  # [B, H, R, N]
+        cos_rows, sin_rows = gather_sequence(cos, rows), gather_sequence(sin, rows)
+        picked = queries.gather(
+            2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
+        )
+        picked = apply_rope(picked, cos_rows, sin_rows)  # [B, H, R, d]
+        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+        key_valid = prefill.gathered(prefill.key_valid) & ~prefill.current_padding()
+        attn = attention_rows(picked, keys, RowSpec(rows, key_valid), attention.scaling)
+        return attn, torch.where(real, absolute.gather(1, rows), -1)
 
-        def row(position: torch.Tensor) -> torch.Tensor:
-            at = (position - prefill.shift - first)[:, None, None, None].expand(batch, heads, 1, n)
-            return visual.gather(2, at).squeeze(2)  # [B, H, N]
+    def _pool_attention(
+        self,
+        prefill: _Prefill,
+        pool: Pool,
+        attention: tuple[torch.Tensor, torch.Tensor],
+        current: torch.Tensor,
+    ) -> PoolAttention:
+        attn, row_positions = attention
+        columns = current[pool.row, pool.positions].to(attn.device)
+        last_row = int(prefill.last_row[pool.row])
+        return pool_attention(
+            attn[pool.row], row_positions[pool.row], columns, pool, last_row, self.config.posterior_rows
+        )
 
-        valid = prefill.posterior_valid(first, n_rows)
+    def _stack_attention(self, pieces: list[PoolAttention]) -> dict[str, Any]:
+        """The ``StageInputs`` attention fields of a group of pools."""
+        posterior = torch.stack([piece.rows for piece in pieces])  # [G, H, R, n]
+        valid = torch.stack([piece.valid for piece in pieces])  # [G, R]
         evidence = build_evidence(
-            row(prefill.separator),
-            visual,
+            torch.stack([piece.prior for piece in pieces]),
+            posterior,
             valid,
-            row(prefill.last_row),
+            torch.stack([piece.last for piece in pieces]),
             heads=self.config.heads,
             seed=self.config.seed,
         )
-        text_rows = aggregate_heads(visual.transpose(1, 2).float(), self.config.heads)  # [B, R, N]
+        text_rows = aggregate_heads(posterior.transpose(1, 2).float(), self.config.heads)  # [G, R, n]
         return {"attention": evidence, "text_rows": text_rows, "text_valid": valid}
 
-    def _vision_evidence(self, batch: int, n_visual: int) -> dict[str, Any]:
-        """The vision tower's [CLS] attention and keys over the visual tokens, captured when it ran."""
+    def _vision_evidence(self, prefill: _Prefill, pools: list[Pool]) -> dict[str, Any]:
+        """The vision tower's [CLS] attention and keys over each pool's tokens, captured when it ran;
+        the tower encodes the batch's images in prompt order, one image per item."""
         capture = self._vision_capture
         if "q" not in capture or "k" not in capture:
             raise ValueError(
@@ -578,32 +681,66 @@ class PruningEngine:
             )
         probe = self.vision
         cls, keys = cls_attention(capture["q"], capture["k"], probe.heads, probe.scaling, probe.first_token)
-        if tuple(cls.shape) != (batch, n_visual):
+        images = [item for pool in prefill.pools for item in pool.items]
+        if any(item.modality != "image" for item in images) or len(images) != cls.shape[0]:
             raise ValueError(
-                f"the vision tower saw {tuple(cls.shape)} (images, tokens) but the prompt has {batch} x "
-                f"{n_visual} visual tokens; one image per prompt, with the processor's image size"
+                f"the vision tower saw {cls.shape[0]} images but the prompts hold {len(images)} visual "
+                "items; [CLS]-ranked methods need one tower image per prompt image"
             )
-        return {"vision_cls": cls, "vision_keys": keys}
+        slot = {id(item): index for index, item in enumerate(images)}
+        out_cls, out_keys = [], []
+        for pool in pools:
+            image = torch.tensor([slot[id(item)] for item in pool.items], device=cls.device)[pool.item_of]
+            offset = pool.offset.to(cls.device)
+            if int(offset.max()) >= cls.shape[1]:
+                raise ValueError(
+                    f"the vision tower gave {cls.shape[1]} tokens per image but an image has more visual "
+                    "tokens in the prompt; use the processor's image size"
+                )
+            out_cls.append(cls[image, offset])
+            out_keys.append(keys[image, :, offset].transpose(0, 1))
+        return {"vision_cls": torch.stack(out_cls), "vision_keys": torch.stack(out_keys)}
 
     @staticmethod
-    def _absolute(prefill: _Prefill, columns: torch.Tensor) -> torch.Tensor:
-        return columns if prefill.index is None else prefill.index.gather(1, columns)
+    def _publish(prefill: _Prefill, pools: list[Pool], inputs: StageInputs, selection: Selection) -> None:
+        """Keep the first stage's Q, P and scores of every pool, by absolute position, for ``last``."""
+        published = prefill.published
+        if published is None:
+            published = prefill.published = {
+                name: torch.full(prefill.visual.shape, float("nan"), device=prefill.visual.device)
+                for name in ("prior", "posterior", "scores")
+            }
+        values = {
+            "prior": inputs.attention.prior,
+            "posterior": inputs.attention.posterior,
+            "scores": selection.scores,
+        }
+        for g, pool in enumerate(pools):
+            for name, tensor in values.items():
+                published[name][pool.row, pool.positions] = tensor[g].float().to(published[name].device)
 
     def _finish(self, prefill: _Prefill) -> None:
         """Publish ``last`` and remember the pruned cache once the last stage ran."""
         batch, seq = prefill.key_valid.shape
-        device = prefill.start.device
+        device = prefill.key_valid.device
         pruned = prefill.index is not None
-        evidence, scores = prefill.first_scores or (None, None)
-        kept = prefill.done[-1].kept if prefill.done else prefill.visual_columns()
+        visual = prefill.visual
+        published = prefill.published
+        if published is not None:
+            published = {
+                name: _pad_rows([values[row][visual[row]] for row in range(batch)], float("nan"))
+                for name, values in published.items()
+            }
+        padding = prefill.current_padding()
         self.last = PruneResult(
-            kept=kept,
-            n_visual=prefill.n_visual,
-            prior=None if evidence is None else evidence.prior,
-            posterior=None if evidence is None else evidence.posterior,
-            scores=scores,
-            visual_start=prefill.start,
+            kept=prefill.done[-1].kept if prefill.done else prefill.survivors(),
+            n_visual=visual.sum(dim=1),
+            prior=None if published is None else published["prior"],
+            posterior=None if published is None else published["posterior"],
+            scores=None if published is None else published["scores"],
+            visual_start=visual.int().argmax(dim=1),
             positions=prefill.index if pruned else torch.arange(seq, device=device).expand(batch, seq),
+            padding=padding,
             pruned=pruned,
             stages=tuple(prefill.done),
         )
@@ -612,7 +749,8 @@ class PruningEngine:
             keep.scatter_(1, prefill.index.to(device), True)
             self._records[prefill.cache] = _CacheRecord(
                 keep=keep,
-                dropped=prefill.shift,
+                padding=padding,
+                dropped=seq - prefill.index.shape[1],
                 logical_length=seq,
                 next_position=prefill.next_position,
             )

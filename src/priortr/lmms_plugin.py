@@ -67,8 +67,8 @@ class KeptStats:
             self.unpruned_rows += rows
         else:
             self.rows += rows
-            self.kept += rows * kept
-            self.total += rows * total
+            self.kept += kept
+            self.total += total
 
     def summary(self) -> dict[str, float]:
         if self.rows == 0:
@@ -255,11 +255,12 @@ class PriorTRLMMs(lmms):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _kept(self, before: Any) -> tuple[int | None, int | None]:
-        """(K, N) of the prefill just run, or (None, None) when priortr skipped it (no image tokens)."""
+        """(K, N) summed over the rows of the prefill just run, or (None, None) when priortr skipped it
+        (no image tokens)."""
         last = self.handle.last
         if last is None or last is before:
             return None, None
-        return int(last.kept.shape[-1]), last.n_visual
+        return int((last.kept >= 0).sum()), int(last.n_visual.sum())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -39,12 +39,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RowSpec:
     """Which rows to recompute and which keys each row may see.
 
-    Rows are the absolute positions ``first_row .. S-1`` of the prompt; every batch row shares
-    ``first_row`` (the earliest separator in the batch) and masks what it does not need.
+    ``rows`` [B, R] are the current sequence columns of the recomputed rows (each batch row picks its
+    own; padding entries are masked later by whoever reads them); a row sees keys at columns up to its
+    own, where ``key_valid`` [B, S] is True (False on padding and on pruned tokens kept only to make
+    ragged rows the same length).
     """
 
-    first_row: int
-    key_valid: torch.Tensor  # [B, S] bool: False on padding
+    rows: torch.Tensor
+    key_valid: torch.Tensor
 
 
 def attention_rows(
@@ -53,17 +55,18 @@ def attention_rows(
     spec: RowSpec,
     scaling: float,
 ) -> torch.Tensor:
-    """Softmax attention of query rows ``first_row..S-1`` over all S keys, in at least float32.
+    """Softmax attention of the ``spec.rows`` query rows over all S keys, in at least float32.
 
     Args:
-        queries: [B, H, R, d] post-RoPE queries of rows ``first_row .. first_row+R-1``.
+        queries: [B, H, R, d] post-RoPE queries of the rows ``spec.rows``.
         keys: [B, H_kv, S, d] post-RoPE keys; grouped-query heads are shared by ``H // H_kv`` queries.
-        spec: the rows' first position and the keys' padding mask.
+        spec: the rows' columns and the keys' validity.
         scaling: the layer's softmax scale (``head_dim ** -0.5`` for LLaMA and Qwen).
 
     Returns:
         [B, H, R, S] attention probabilities (float32, or float64 for a float64 model), with the
-        causal mask (row r sees keys <= r) and the padding mask applied before the softmax.
+        causal mask (a row sees keys at or before its column) and ``key_valid`` applied before the
+        softmax.
     """
     batch, heads, rows, dim = queries.shape
     kv_heads, seq = keys.shape[1], keys.shape[2]
@@ -73,11 +76,10 @@ def attention_rows(
     logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G, R, S]
     logits = logits.view(batch, heads, rows, seq)
 
-    row_pos = torch.arange(spec.first_row, spec.first_row + rows, device=keys.device)  # [R]
+    row_pos = spec.rows.to(keys.device)[:, :, None]  # [B, R, 1]
     key_pos = torch.arange(seq, device=keys.device)  # [S]
-    visible = key_pos[None, :] <= row_pos[:, None]  # [R, S]
-    visible = visible[None, None] & spec.key_valid[:, None, None, :].to(keys.device)  # [B, 1, R, S]
-    logits = logits.masked_fill(~visible, float("-inf"))
+    visible = (key_pos <= row_pos) & spec.key_valid[:, None, :].to(keys.device)  # [B, R, S]
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
     # A padded row sees no key at all; its probabilities are zero instead of NaN and are ignored later.
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 

@@ -49,6 +49,36 @@ def gather_attention_mask(
     return out
 
 
+def hide_key_columns(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``mask`` (2D padding or 4D, already gathered) with the key columns ``hidden`` [B, S'] masked.
+
+    Rows of a batch whose visual tokens were pruned to different counts keep some pruned tokens so
+    that every row has the same length; those keys must be invisible to every query.
+    """
+    visible = ~hidden.to(mask.device)
+    if mask.ndim == 2:
+        return mask * visible.to(mask.dtype)
+    seq = hidden.shape[1]
+    blocked = torch.zeros(mask.shape[0], 1, 1, mask.shape[-1], dtype=torch.bool, device=mask.device)
+    blocked[..., :seq] = ~visible[:, None, None, :]
+    return mask.masked_fill(blocked, _masked_value(mask))
+
+
+def explicit_causal_mask(hidden: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The mask a layer gets instead of ``None`` (implicit causal) once keys ``hidden`` [B, S] must be
+    masked: a 2D padding mask for FlashAttention, else 4D, boolean for SDPA and additive for eager."""
+    if "flash" in implementation:
+        return (~hidden).long()
+    seq = hidden.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=hidden.device).tril()
+    allowed = causal[None, None] & ~hidden[:, None, None, :]  # [B, 1, S, S]
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=hidden.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
 def _masked_value(mask: torch.Tensor) -> bool | float:
     return False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
 

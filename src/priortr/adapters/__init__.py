@@ -5,8 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.idefics3 import Idefics3Adapter
+from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llava import LlavaAdapter
+from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
+from priortr.adapters.qwen3_vl import Qwen3VLAdapter
+from priortr.adapters.video_llava import VideoLlavaAdapter
 
 _ADAPTERS: dict[str, FamilyAdapter] = {}
 
@@ -38,5 +43,11 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 
 register_adapter(LlavaAdapter())
 register_adapter(QwenVLAdapter())
+register_adapter(Qwen3VLAdapter())
+register_adapter(InternVLAdapter())
+register_adapter(Idefics3Adapter())
+register_adapter(LlavaNextAdapter())
+register_adapter(LlavaOnevisionAdapter())
+register_adapter(VideoLlavaAdapter())
 
 __all__ = ["FamilyAdapter", "adapter_for", "register_adapter", "supported_model_types"]

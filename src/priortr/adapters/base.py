@@ -29,6 +29,43 @@ class VisionProbe:
     first_token: int
 
 
+@dataclass(frozen=True)
+class VisualItem:
+    """One image (or video) of one prompt row, as the engine prunes it.
+
+    ``positions`` [n] are the absolute prompt positions of the item's visual tokens, ascending; they
+    need not be one run (Idefics3 interleaves sub-image markers). ``separator`` is the absolute
+    position of the item's prior slot, the paper's "null" token right after it (Appendix A.3); it may
+    equal the prompt length when the item ends the prompt (methods that need it then refuse).
+    """
+
+    row: int
+    positions: torch.Tensor
+    separator: int
+    modality: str = "image"
+
+    @property
+    def size(self) -> int:
+        return int(self.positions.numel())
+
+
+def visual_runs(input_ids: torch.Tensor, token_id: int) -> list[list[tuple[int, int]]]:
+    """Per row, the maximal runs ``[start, end)`` of ``token_id`` in ``input_ids`` [B, S]."""
+    is_token = (input_ids == token_id).int()
+    edges = torch.diff(
+        is_token,
+        dim=1,
+        prepend=is_token.new_zeros(is_token.shape[0], 1),
+        append=is_token.new_zeros(is_token.shape[0], 1),
+    )
+    runs = []
+    for row in range(input_ids.shape[0]):
+        starts = (edges[row] == 1).nonzero().flatten().tolist()
+        ends = (edges[row] == -1).nonzero().flatten().tolist()
+        runs.append(list(zip(starts, ends, strict=True)))
+    return runs
+
+
 class FamilyAdapter:
     """Base adapter: the defaults fit a ``*ForConditionalGeneration`` whose ``.model`` holds a
     ``language_model`` with ``.layers``, each with ``self_attn.{q,k}_proj`` (LLaVA, Qwen-VL).
@@ -62,8 +99,30 @@ class FamilyAdapter:
         return attention.k_proj
 
     def visual_token_ids(self, config) -> dict[str, int]:
-        """Token ids of visual placeholders, by modality name; only ``image`` is pruned today."""
+        """Token ids of visual placeholders, by modality name (``image``, ``video``)."""
         return {"image": config.image_token_id}
+
+    def visual_items(self, config, input_ids: torch.Tensor) -> list[VisualItem]:
+        """Every image or video of the batch, row by row in prompt order.
+
+        The default makes each maximal run of one modality's placeholder id an item whose separator
+        is the token right after the run; families whose items span several runs override this.
+        """
+        items = []
+        for modality, token_id in self.visual_token_ids(config).items():
+            for row, runs in enumerate(visual_runs(input_ids, token_id)):
+                for start, end in runs:
+                    positions = torch.arange(start, end, device=input_ids.device)
+                    items.append(VisualItem(row, positions, end, modality))
+        return sorted(items, key=lambda item: (item.row, int(item.positions[0])))
+
+    def injected_layers(self, model: nn.Module) -> int:
+        """How many leading decoder layers have visual features added to their output (DeepStack).
+
+        Pruning must wait until the last injection: the earliest layer a stage may score is this
+        count minus one, and methods that prune before the LLM are refused when it is not zero.
+        """
+        return 0
 
     def text_positions(self, model: nn.Module, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """The 1-D text positions ``[B or 1, S]`` inside whatever the family passes as position ids."""

@@ -16,7 +16,7 @@ class LlavaAdapter(FamilyAdapter):
         penultimate by default), the layer VisionZip, PruMerge and VisPruner read [CLS] attention from.
         None for towers without a class embedding (SigLIP) or multi-layer features."""
         config = model.config
-        tower = self.multimodal_model(model).vision_tower
+        tower = self.vision_modules(model)[0]  # vision_tower (Video-LLaVA: image_tower)
         tower = getattr(tower, "vision_model", tower)  # CLIPVisionModel nests it in older releases
         feature_layer = config.vision_feature_layer
         embeddings = getattr(tower, "embeddings", None)

@@ -1,0 +1,120 @@
+"""LLaVA-NeXT (``LlavaNextForConditionalGeneration``) and LLaVA-OneVision
+(``LlavaOnevisionForConditionalGeneration``): AnyRes images, one ``<image>`` run per image.
+
+An AnyRes image is a base crop (the whole image at the tower's resolution) plus a grid of high-resolution
+tiles. ``LlavaNextModel.pack_image_features`` concatenates, per image, the base crop's patch features,
+then the tiles' features stitched into one grid, unpadded to the image's aspect ratio, with the learned
+``image_newline`` appended after every grid row; ``forward`` scatters that sequence, in that order, into
+the image's ``<image>`` placeholders, which the processor writes as one contiguous run of exactly that
+length (``LlavaNextProcessor._get_number_of_features``). The newline features are therefore ordinary
+visual tokens of the run and are pruned like the others: the paper keeps 320 of LLaVA-NeXT's up to 2880
+(5 x 576) visual tokens. The separator is the token right after the run (``\\n`` in the chat templates),
+as for LLaVA-1.5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers.image_processing_utils import select_best_resolution
+
+from priortr.adapters.base import FamilyAdapter, prompt_layout
+
+
+class LlavaNextAdapter(FamilyAdapter):
+    name = "llava-next"
+    model_types = ("llava_next",)
+    separator_token = "the token after the <image> run ('\\n' in the LLaVA-NeXT templates)"
+
+    def vision_probe(self, model: nn.Module) -> None:
+        """None: the tower runs once per crop (base + tiles), each crop with its own [CLS] token, and the
+        tiles' patches are stitched, unpadded (some dropped) and interleaved with newline features that
+        no crop attends to, so no [CLS] attention row lines up with the image's token run."""
+        return None
+
+    def max_tiles(self, config) -> int | None:
+        """The tile-area cap of the stitched grid (OneVision's ``anyres_max_N``); NeXT has none."""
+        return None
+
+    def anyres_tokens(self, config, height: int, width: int) -> int:
+        """Visual tokens of one ``height`` x ``width`` image: base crop + unpadded tile grid + one newline
+        per grid row, as the processor counts them and ``pack_image_features`` produces them."""
+        vision = config.vision_config
+        side = vision.image_size // vision.patch_size
+        best_height, best_width = select_best_resolution((height, width), config.image_grid_pinpoints)
+        rows = side * (best_height // vision.image_size)
+        cols = side * (best_width // vision.image_size)
+        if width / height > cols / rows:  # unpad_image: the image's width fills the grid
+            rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
+        else:
+            cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
+        cap = self.max_tiles(config)
+        ratio = math.sqrt(rows * cols / (cap * side**2)) if cap else 0.0
+        if ratio > 1.1:  # OneVision downsamples grids above the cap (bilinear)
+            rows, cols = int(rows // ratio), int(cols // ratio)
+        return side * side + rows * cols + rows
+
+    def anyres_crops(self, config, height: int, width: int) -> int:
+        """Crops the tower encodes for one image: the base crop plus the best pinpoint's tiles."""
+        size = config.vision_config.image_size
+        best_height, best_width = select_best_resolution((height, width), config.image_grid_pinpoints)
+        return 1 + (best_height // size) * (best_width // size)
+
+    def dummy_image_size(self, config) -> tuple[int, int]:
+        """The largest pinpoint of at most 2x2 tiles (squares first): 672 x 672 for LLaVA-NeXT, its
+        largest input (576 + 48 x 48 + 48 = 2928 tokens), 768 x 768 for OneVision (3699 tokens)."""
+        size = config.vision_config.image_size
+
+        def fits(pinpoint: list[int]) -> bool:
+            return (pinpoint[0] // size) * (pinpoint[1] // size) <= 4
+
+        height, width = max(
+            filter(fits, config.image_grid_pinpoints), key=lambda p: (p[0] * p[1], -abs(p[0] - p[1]))
+        )
+        return height, width
+
+    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
+        """One ``dummy_image_size`` image per row, with its real AnyRes token count and crop stack."""
+        height, width = self.dummy_image_size(config)
+        n_visual = self.anyres_tokens(config, height, width)
+        limit = min(self.visual_token_ids(config).values())
+        ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
+        size = config.vision_config.image_size
+        crops = self.anyres_crops(config, height, width)
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "pixel_values": torch.randn(batch, crops, 3, size, size, generator=generator),
+            "image_sizes": torch.tensor([[height, width]] * batch),
+        }
+
+
+class LlavaOnevisionAdapter(LlavaNextAdapter):
+    """LLaVA-OneVision: LLaVA-NeXT's AnyRes layout on a SigLIP tower and a Qwen2 language model, plus
+    videos and multi-image prompts.
+
+    A single image is laid out as in LLaVA-NeXT, its tile grid downsampled when it exceeds
+    ``anyres_max_N`` tiles of area. In a multi-image prompt (``batch_num_images`` > 1 for the row) each
+    image is its base crop plus one newline token. A video is one ``<video>`` run of
+    ``frames x ceil(side/2)^2`` pooled patch features plus one newline token. Each run is one item.
+
+    The llava-hf chat template writes a message's images first, then its videos, then ``'\n' + text``:
+    several images of one message form a single run (one item), and an image run directly followed by
+    a video gets the first ``<video>`` token as its separator.
+    """
+
+    name = "llava-onevision"
+    model_types = ("llava_onevision",)
+    separator_token = "the token after the <image> or <video> run ('\\n' in the OneVision template)"
+
+    def visual_token_ids(self, config) -> dict[str, int]:
+        return {"image": config.image_token_id, "video": config.video_token_id}
+
+    def vision_probe(self, model: nn.Module) -> None:
+        """None: SigLIP has no [CLS] token (and the AnyRes layout would not line up with one anyway)."""
+        return None
+
+    def max_tiles(self, config) -> int | None:
+        return int(config.vision_aspect_ratio.removeprefix("anyres_max_"))

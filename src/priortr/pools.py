@@ -1,0 +1,107 @@
+"""Which visual tokens a method ranks together, and how many of them each stage keeps.
+
+A prompt row may hold several images or videos (``VisualItem``s), and rows of a batch may hold
+different numbers of visual tokens (dynamic resolution). A *pool* is the set of tokens one selector
+call ranks: by default each item is its own pool, with its own prior and posterior normalised over its
+tokens and a row's count budget split over its items in proportion to their token counts;
+``multi_image='global'`` makes all items of a row one pool, ranked against each other under one
+budget. A ratio budget is the same ratio of every pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from priortr.adapters.base import VisualItem
+
+MULTI_IMAGE = ("per_image", "global")
+
+
+@dataclass
+class Pool:
+    """The visual tokens of one row that are ranked together, as they survive stage after stage.
+
+    ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
+    position, which of ``items`` it belongs to, and its index among that item's tokens (which the
+    vision tower's outputs are indexed by). ``stages`` maps a scored layer to the tokens kept after it.
+    """
+
+    row: int
+    items: tuple[VisualItem, ...]
+    separators: tuple[int, ...]  # absolute prior slot of each item
+    stages: dict[int, int]
+    positions: torch.Tensor
+    item_of: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.positions.numel())
+
+    def token_separators(self) -> torch.Tensor:
+        """[n] the absolute prior slot of each surviving token's item."""
+        separators = torch.tensor(self.separators, device=self.positions.device)
+        return separators[self.item_of]
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """Keep the surviving tokens at indices ``kept`` [k] (ascending)."""
+        kept = kept.to(self.positions.device)
+        self.positions = self.positions[kept]
+        self.item_of = self.item_of[kept]
+        self.offset = self.offset[kept]
+
+
+def split_count(count: int, before: int, size: int, total: int) -> int:
+    """An item's share of a row's ``count`` tokens: the rounded cumulative share of the row's ``total``
+    visual tokens up to its end minus that up to its start, so the shares sum to ``count`` exactly."""
+
+    def cumulative(tokens: int) -> int:
+        return math.floor(count * tokens / total + 0.5)
+
+    return max(1, cumulative(before + size) - cumulative(before))
+
+
+def make_pools(
+    items: Sequence[VisualItem],
+    plan: Callable[[int, tuple[int, int] | None], list[tuple[int, int]]],
+    multi_image: str,
+    separator_offset: int,
+) -> list[Pool]:
+    """Group ``items`` (prompt order) into pools and plan each one's stages.
+
+    ``plan(n, part)`` returns the (layer, kept) stages of a pool of ``n`` tokens; ``part`` is
+    (tokens of the row's items before it, the row's visual tokens) when a count budget is split.
+    """
+    if multi_image not in MULTI_IMAGE:
+        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
+    rows: dict[int, list[VisualItem]] = {}
+    for item in items:
+        rows.setdefault(item.row, []).append(item)
+    pools = []
+    for row, row_items in rows.items():
+        groups = [row_items] if multi_image == "global" else [[item] for item in row_items]
+        total = sum(item.size for item in row_items)
+        before = 0
+        for group in groups:
+            size = sum(item.size for item in group)
+            part = None if len(groups) == 1 else (before, total)
+            before += size
+            device = group[0].positions.device
+            pools.append(
+                Pool(
+                    row=row,
+                    items=tuple(group),
+                    separators=tuple(item.separator + separator_offset for item in group),
+                    stages=dict(plan(size, part)),
+                    positions=torch.cat([item.positions for item in group]),
+                    item_of=torch.cat(
+                        [torch.full((item.size,), i, device=device) for i, item in enumerate(group)]
+                    ),
+                    offset=torch.cat([torch.arange(item.size, device=device) for item in group]),
+                )
+            )
+    return pools
