@@ -22,10 +22,13 @@ def _build(family: str, layout: str, batch_size: int = 2):
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)
-@pytest.mark.parametrize("budget", [0.4, 5])
-def test_layout_matches_the_masked_reference(family, layout, budget):
+@pytest.mark.parametrize(("budget", "multi_image"), [(0.4, "per_image"), (5, "per_image"), (5, "global")])
+def test_layout_matches_the_masked_reference(family, layout, budget, multi_image):
     model, batch = _build(family, layout)
-    with priortr.apply(model, budget=budget, layer=LAYER) as handle, torch.no_grad():
+    with (
+        priortr.apply(model, budget=budget, layer=LAYER, multi_image=multi_image) as handle,
+        torch.no_grad(),
+    ):
         logits = model(**batch.kwargs()).logits
         result = handle.last
         out = generate(model, batch)
@@ -33,7 +36,9 @@ def test_layout_matches_the_masked_reference(family, layout, budget):
     assert result.n_visual.tolist() == visual.sum(dim=1).tolist()
     kept = (result.kept >= 0).sum(dim=1)
     assert torch.equal(result.stages[0].kept_mask(batch.seq_len) & ~visual, torch.zeros_like(visual))
-    if isinstance(budget, int):
+    if multi_image == "global":
+        assert torch.equal(kept, torch.clamp(result.n_visual, max=budget))
+    elif isinstance(budget, int):
         assert bool((kept >= torch.clamp(result.n_visual, max=budget)).all())
     physical = int((batch.seq_len - result.n_visual + kept).max())
     assert logits.shape[1] == physical

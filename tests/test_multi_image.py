@@ -124,3 +124,16 @@ def test_ragged_pre_llm_pruning_with_a_second_turn_matches_the_reference():
     assert torch.equal(first.sequences, ref_first.sequences)
     assert torch.equal(second.sequences, ref_second.sequences)
     torch.testing.assert_close(torch.stack(second.logits), torch.stack(ref_second.logits), atol=1e-10, rtol=0)
+
+
+def test_ragged_batch_with_a_static_cache_matches_the_reference():
+    model = tiny_qwen2_5_vl()
+    batch = qwen_batch(model, batch_size=3, grid=RAGGED_GRIDS)
+    with priortr.apply(model, method="fastv", budget=0.5, layer=1) as handle, torch.no_grad():
+        out = generate(model, batch, cache_implementation="static")
+        result = handle.last
+    assert bool(result.padding.any())
+    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+        expected = generate(model, batch, cache_implementation="static")
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)

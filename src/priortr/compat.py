@@ -90,6 +90,24 @@ def gather_layer_mask(
     return hide_key_columns(mask, hidden)
 
 
+def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
+    """Mask the cache slots ``hidden`` [B, S_cached] (the first slots of the cache) in whatever mask a
+    continuation gets: a 2D padding mask after the dropped columns are removed, a 4D mask over the
+    cache's slots, or the dict of prepared masks that ``generate()`` passes with a static cache."""
+    if isinstance(mask, dict):
+        return {kind: hide_cached_columns(value, hidden) for kind, value in mask.items()}
+    if isinstance(mask, torch.Tensor):
+        if mask.ndim == 2:
+            mask = mask.clone()
+            cached = hidden.shape[1]
+            mask[:, :cached] = mask[:, :cached] * (~hidden).to(mask.device, mask.dtype)
+            return mask
+        return hide_key_columns(mask, hidden)
+    if mask is None:
+        return None
+    raise ValueError(f"unsupported attention mask type {type(mask).__name__} on a pruned cache")
+
+
 def map_hidden_states(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to a decoder layer's hidden-state output (a tensor, or a tuple's first item)."""
     if isinstance(output, tuple):

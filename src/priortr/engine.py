@@ -437,8 +437,9 @@ class PruningEngine:
                     "pass the mask of the whole conversation"
                 )
             mask = drop_columns(mask, record.keep)
-            cached = record.padding.shape[1]
-            mask[:, :cached] = mask[:, :cached] * (~record.padding).to(mask.device, mask.dtype)
+        if bool(record.padding.any()):
+            mask = compat.hide_cached_columns(mask, record.padding)
+        if mask is not None:
             call["attention_mask"] = mask
         record.logical_length += n_in
         record.next_position = record.next_position + n_in

@@ -27,9 +27,8 @@ Kept/total visual tokens are recorded per batch and reported through lmms-eval's
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,20 +54,20 @@ _IGNORED_KWARGS = ("max_batch_size",)
 
 @dataclass
 class KeptStats:
-    """Visual tokens kept over the batches of one request type: requests with an image, and without."""
+    """Visual tokens kept over the batches of one request type: requests with images, and without."""
 
     rows: int = 0
     kept: int = 0  # summed over rows
     total: int = 0  # summed over rows
-    unpruned_rows: int = 0  # rows without an image (PruningSkippedWarning) or with several: unpruned
+    unpruned_rows: int = 0  # rows without an image: nothing to prune
 
-    def add(self, rows: int, kept: int | None, total: int | None) -> None:
-        if kept is None or total is None:
-            self.unpruned_rows += rows
-        else:
-            self.rows += rows
-            self.kept += kept
-            self.total += total
+    def add(self, rows: int, pruned_rows: int, kept: int, total: int) -> None:
+        """A batch of ``rows`` requests, ``pruned_rows`` of them with images, keeping ``kept`` of their
+        ``total`` visual tokens."""
+        self.unpruned_rows += rows - pruned_rows
+        self.rows += pruned_rows
+        self.kept += kept
+        self.total += total
 
     def summary(self) -> dict[str, float]:
         if self.rows == 0:
@@ -172,7 +171,6 @@ class PriorTRLMMs(lmms):
             "posterior_rows": posterior_rows,
         }
         self.handle = priortr.apply(self.model, **self._apply_kwargs)
-        self._warned_multi_image = False
         eval_logger.info(
             f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {self.device}, "
             f"method={method} budget={self.budget} layer={layer} batch_size={self.batch_size}"
@@ -210,57 +208,16 @@ class PriorTRLMMs(lmms):
         )
         return inputs.to(self.device, dtype=self.model.dtype)  # only floating tensors (pixels) are cast
 
-    def _batches(
-        self, texts: list[str], images: list[list[Image.Image]]
-    ) -> list[tuple[list[int], Any, bool]]:
-        """``[(row indices, inputs, prune)]``: the batch, split where rows differ in their visual tokens.
-
-        priortr prunes a batch only when every row has the same number of visual tokens from one image
-        (always so for LLaVA-1.5 single-image prompts; Qwen2-VL's dynamic resolution can differ per image,
-        and a row without an image has none). Rows with several images (e.g. SEED-Bench's video frames)
-        cannot be pruned: they run unpruned (``prune`` False) and are reported as such.
-        """
-        inputs = self._encode(texts, images)
-        counts = (inputs["input_ids"] == self.image_token_id).sum(dim=1).tolist()
-        keys = [(len(row) > 1, count) for row, count in zip(images, counts, strict=True)]
-        if len(set(keys)) == 1:
-            return [(list(range(len(texts))), inputs, not keys[0][0])]
-        groups: dict[tuple[bool, int], list[int]] = {}
-        for row, key in enumerate(keys):
-            groups.setdefault(key, []).append(row)
-        return [
-            (rows, self._encode([texts[r] for r in rows], [images[r] for r in rows]), not multi)
-            for (multi, _), rows in groups.items()
-        ]
-
-    @contextlib.contextmanager
-    def _pruning(self, enabled: bool, n_rows: int) -> Iterator[None]:
-        """Run the block pruned (the default) or, for rows with several images, on the stock model."""
-        if enabled:
-            yield
-            return
-        if not self._warned_multi_image:
-            self._warned_multi_image = True
-            eval_logger.warning(
-                f"priortr: {n_rows} request(s) hold several images; priortr prunes one image per prompt, so "
-                "such requests run unpruned (counted as unpruned_requests; warned once)"
-            )
-        self.handle.remove()
-        try:
-            yield
-        finally:
-            self.handle = priortr.apply(self.model, **self._apply_kwargs)
-
     def _text_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _kept(self, before: Any) -> tuple[int | None, int | None]:
-        """(K, N) summed over the rows of the prefill just run, or (None, None) when priortr skipped it
-        (no image tokens)."""
+    def _kept(self, before: Any) -> tuple[int, int, int]:
+        """(rows with images, K, N) summed over the rows of the prefill just run; (0, 0, 0) when priortr
+        skipped it (no row has an image)."""
         last = self.handle.last
         if last is None or last is before:
-            return None, None
-        return int((last.kept >= 0).sum()), int(last.n_visual.sum())
+            return 0, 0, 0
+        return int((last.n_visual > 0).sum()), int((last.kept >= 0).sum()), int(last.n_visual.sum())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -277,10 +234,10 @@ class PriorTRLMMs(lmms):
             eval_logger.info(
                 f"priortr {kind}: kept {stats.kept / stats.rows:.2f} of {stats.total / stats.rows:.2f} "
                 f"visual tokens per request on average ({stats.rows} requests with an image, "
-                f"{stats.unpruned_rows} without or with several: unpruned)"
+                f"{stats.unpruned_rows} without: unpruned)"
             )
         elif stats.unpruned_rows:
-            eval_logger.info(f"priortr {kind}: {stats.unpruned_rows} requests ran unpruned (no single image)")
+            eval_logger.info(f"priortr {kind}: {stats.unpruned_rows} requests ran unpruned (no image)")
 
     # -- generate_until ------------------------------------------------------------------------------
 
@@ -301,26 +258,26 @@ class PriorTRLMMs(lmms):
                 eval_logger.warning("priortr: the task asks for sampling; the plug-in decodes greedily")
             images = [self._images(d2v, task, split, doc_id) for _, (_, _, d2v, doc_id, task, split) in chunk]
             prompts = [self._prompt(args[0], imgs) for (_, args), imgs in zip(chunk, images, strict=True)]
-            for rows, inputs, prune in self._batches(prompts, images):
-                before = self.handle.last
-                self._sync()
-                start = time.perf_counter()
-                with self._pruning(prune, len(rows)), torch.inference_mode():
-                    output = self.model.generate(
-                        **inputs,
-                        max_new_tokens=max_new_tokens,
-                        do_sample=False,
-                        num_beams=1,
-                        pad_token_id=self.pad_token_id,
-                    )
-                self._sync()
-                elapsed += time.perf_counter() - start
-                stats.add(len(rows), *(self._kept(before) if prune else (None, None)))
-                new_tokens = output[:, inputs["input_ids"].shape[1] :]
-                gen_tokens += int((new_tokens != self.pad_token_id).sum())
-                texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-                for row, text in zip(rows, texts, strict=True):
-                    answers[indices[row]] = cut_at_stop(text, until).strip()
+            inputs = self._encode(prompts, images)
+            before = self.handle.last
+            self._sync()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                output = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=self.pad_token_id,
+                )
+            self._sync()
+            elapsed += time.perf_counter() - start
+            stats.add(len(chunk), *self._kept(before))
+            new_tokens = output[:, inputs["input_ids"].shape[1] :]
+            gen_tokens += int((new_tokens != self.pad_token_id).sum())
+            texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            for index, text in zip(indices, texts, strict=True):
+                answers[index] = cut_at_stop(text, until).strip()
         self._report("generate_until", stats, elapsed, gen_tokens)
         return answers  # type: ignore[return-value]
 
@@ -364,7 +321,7 @@ class PriorTRLMMs(lmms):
         stats: KeptStats | None = None,
     ) -> list[tuple[float, bool]]:
         """(sum of log-probs, is_greedy) of each continuation after its prompt, in one pruned forward pass
-        per batch (left padded; split by visual-token count).
+        (left padded; rows with different visual-token counts, several images or none are one batch).
 
         The continuation's tokens are those of tokenize(prompt + continuation) past tokenize(prompt), as
         lm-eval splits them. The logits row of original position p predicts the token at p + 1, and the
@@ -380,43 +337,41 @@ class PriorTRLMMs(lmms):
                 raise ValueError(f"priortr: the continuation {continuation!r} adds no token to the prompt")
             tails.append(whole[-n:])
         texts = [p + c for p, c in zip(prompts, continuations, strict=True)]
-        out: list[tuple[float, bool] | None] = [None] * len(texts)
-        for rows, inputs, prune in self._batches(texts, images):
-            before = self.handle.last
-            with self._pruning(prune, len(rows)), torch.inference_mode():
-                logits = self.model(**inputs, use_cache=False).logits  # [B, S', V]
-            kept = self._kept(before) if prune else (None, None)
-            if stats is not None:
-                stats.add(len(rows), *kept)
-            input_ids = inputs["input_ids"]
-            seq, pruned_seq = input_ids.shape[1], logits.shape[1]
-            if kept[0] is None:  # unpruned (no image, or several): every position is a row
-                positions = torch.arange(seq, device=logits.device).expand(len(rows), seq)
-            else:
-                positions = self.handle.last.positions
-            if positions.shape[1] != pruned_seq:
-                raise RuntimeError(f"priortr: {pruned_seq} logits rows but {positions.shape[1]} positions")
-            for i, row in enumerate(rows):
-                n = len(tails[row])
-                target = input_ids[i, seq - n :]
-                if target.tolist() != tails[row]:
-                    raise RuntimeError(
-                        f"priortr: the processor tokenised the continuation {continuations[row]!r} "
-                        "differently from the tokenizer"
-                    )
-                expected = torch.arange(seq - n - 1, seq, device=positions.device)
-                if not torch.equal(positions[i, -n - 1 :], expected):
-                    raise RuntimeError(
-                        "priortr: the continuation's logits are not the last rows of the logits"
-                    )
-                rows_logits = logits[i, pruned_seq - n - 1 : pruned_seq - 1]
-                # at least float32 (fp16/bf16 models), float64 stays float64
-                dtype = torch.promote_types(rows_logits.dtype, torch.float32)
-                log_probs = torch.log_softmax(rows_logits.to(dtype), dim=-1)
-                ll = float(log_probs.gather(1, target[:, None]).sum())
-                greedy = bool((log_probs.argmax(dim=-1) == target).all())
-                out[row] = (ll, greedy)
-        return out  # type: ignore[return-value]
+        out: list[tuple[float, bool]] = []
+        inputs = self._encode(texts, images)
+        before = self.handle.last
+        with torch.inference_mode():
+            logits = self.model(**inputs, use_cache=False).logits  # [B, S', V]
+        kept = self._kept(before)
+        if stats is not None:
+            stats.add(len(texts), *kept)
+        input_ids = inputs["input_ids"]
+        seq, pruned_seq = input_ids.shape[1], logits.shape[1]
+        if kept[0] == 0:  # nothing was pruned (no image): every position is a row
+            positions = torch.arange(seq, device=logits.device).expand(len(texts), seq)
+        else:
+            positions = self.handle.last.positions
+        if positions.shape[1] != pruned_seq:
+            raise RuntimeError(f"priortr: {pruned_seq} logits rows but {positions.shape[1]} positions")
+        for row, tail in enumerate(tails):
+            n = len(tail)
+            target = input_ids[row, seq - n :]
+            if target.tolist() != tail:
+                raise RuntimeError(
+                    f"priortr: the processor tokenised the continuation {continuations[row]!r} "
+                    "differently from the tokenizer"
+                )
+            expected = torch.arange(seq - n - 1, seq, device=positions.device)
+            if not torch.equal(positions[row, -n - 1 :], expected):
+                raise RuntimeError("priortr: the continuation's logits are not the last rows of the logits")
+            rows_logits = logits[row, pruned_seq - n - 1 : pruned_seq - 1]
+            # at least float32 (fp16/bf16 models), float64 stays float64
+            dtype = torch.promote_types(rows_logits.dtype, torch.float32)
+            log_probs = torch.log_softmax(rows_logits.to(dtype), dim=-1)
+            ll = float(log_probs.gather(1, target[:, None]).sum())
+            greedy = bool((log_probs.argmax(dim=-1) == target).all())
+            out.append((ll, greedy))
+        return out
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
         raise NotImplementedError("priortr: multi-round generation is not supported by the priortr plug-in")
