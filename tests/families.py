@@ -17,6 +17,7 @@ from tests.tiny import (
     llava_batch,
     qwen_batch,
     qwen_batch_12,
+    qwen_video_batch,
     tiny_llava,
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
@@ -74,7 +75,11 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
 
 LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
     "llava": {"two images": lambda model, size: llava_batch(model, size, images=2)},
-    "qwen2.5-vl": {"ragged": lambda model, size: qwen_batch(model, size, grid=[(1, 4, 4), (1, 4, 8)][:size])},
+    "qwen2.5-vl": {
+        "ragged": lambda model, size: qwen_batch(model, size, grid=[(1, 4, 4), (1, 4, 8)][:size]),
+        "video": qwen_video_batch,
+    },
+    "qwen2-vl": {"video": qwen_video_batch},
     "llava-next": {"ragged": llava_next_ragged_batch},
     "llava-onevision": {
         "video": llava_onevision_video_batch,

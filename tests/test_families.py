@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import priortr
+from priortr import bench
 from tests.families import FAMILIES, LAYOUTS
 from tests.pruned import assert_matches_reference, generate
 
@@ -54,3 +55,24 @@ def test_layout_with_a_budget_covering_every_token_is_the_stock_model(family, la
     with priortr.apply(model, budget=int(batch.visual_mask().sum()), layer=LAYER) as handle, torch.no_grad():
         assert torch.equal(model(**batch.kwargs()).logits, stock)
     assert not handle.last.pruned
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llava", "qwen2-vl", "qwen2.5-vl")])
+def test_bench_runs_on_the_family_and_measures_the_expected_cache(family):
+    """``priortr bench`` builds a realistic prompt from the adapter's ``dummy_inputs`` and the pruned
+    cache it measures holds exactly the text plus the kept tokens."""
+    model = FAMILIES[family][0](dtype=torch.float32)
+    report = bench.run_bench(
+        model,
+        ["vanilla", "priortr"],
+        [8],
+        [1],
+        layer=LAYER,
+        text_tokens=12,
+        new_tokens=2,
+        warmup=0,
+        repeats=1,
+        decode_repeats=1,
+    )
+    vanilla, pruned = report.cases
+    assert pruned.kv_cache_bytes == pruned.kv_cache_expected_bytes < vanilla.kv_cache_bytes

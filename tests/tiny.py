@@ -343,6 +343,26 @@ def qwen_batch(
     )
 
 
+def qwen_video_batch(
+    model, batch_size: int = 2, grid: tuple[int, int, int] = (2, 4, 4), seed: int = 0
+) -> Batch:
+    """``qwen_batch`` with a video instead of an image: ``<|video_pad|>`` tokens, ``pixel_values_videos``
+    and ``video_grid_thw`` (``t`` temporal patches of two frames each; 8 visual tokens by default)."""
+    image = qwen_batch(model, batch_size, grid=grid, seed=seed)
+    ids = image.input_ids.masked_fill(image.input_ids == QWEN_IMAGE_ID, QWEN_VIDEO_ID)
+    return Batch(
+        ids,
+        image.attention_mask,
+        None,
+        [],
+        [],
+        0,
+        mm_token_type_ids=2 * (ids == QWEN_VIDEO_ID).long(),
+        visual_ids=(QWEN_VIDEO_ID,),
+        extra={"pixel_values_videos": image.pixel_values, "video_grid_thw": image.image_grid_thw},
+    )
+
+
 def qwen_batch_12(model, batch_size: int) -> Batch:
     """``qwen_batch`` with a 6x8 patch grid: 12 visual tokens per row."""
     return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))
