@@ -137,3 +137,29 @@ def test_ragged_batch_with_a_static_cache_matches_the_reference():
         expected = generate(model, batch, cache_implementation="static")
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("multi_image", ["per_image", "global"])
+def test_cls_ranked_method_reads_each_images_own_tower_output(multi_image):
+    """VisPruner ranks by the tower's [CLS] attention: with two images per prompt each image's tokens
+    are ranked by its own tower pass (the tower encodes the batch's images in prompt order)."""
+    model = tiny_llava()
+    batch = llava_batch(model, batch_size=2, images=2)
+    with (
+        priortr.apply(model, method="vispruner", budget=8, multi_image=multi_image) as handle,
+        torch.no_grad(),
+    ):
+        logits = model(**batch.kwargs()).logits
+        result = handle.last
+        out = generate(model, batch)
+    assert result.stages[0].layer == -1 and (result.kept >= 0).sum(dim=1).tolist() == [8, 8]
+    assert_matches_reference(model, batch, result, logits, out)
+    swapped = (
+        batch.pixel_values.view(2, 2, *batch.pixel_values.shape[1:]).flip(1).reshape_as(batch.pixel_values)
+    )
+    with (
+        priortr.apply(model, method="vispruner", budget=8, multi_image=multi_image) as handle,
+        torch.no_grad(),
+    ):
+        model(**{**batch.kwargs(), "pixel_values": swapped})
+    assert not torch.equal(handle.last.kept, result.kept), "the images' order must matter"
