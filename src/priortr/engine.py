@@ -600,9 +600,7 @@ class PruningEngine:
                 evidence.update(self._vision_evidence(prefill, pools))
             inputs = StageInputs(budget=budget, hidden=visual_hidden, seed=self.config.seed, **evidence)
             selection = method.select(inputs, **self.config.options)
-            if tuple(selection.kept.shape) != (len(pools), budget) and not (
-                selection.kept.shape[0] == len(pools) and selection.kept.shape[1] <= size
-            ):
+            if selection.kept.shape[0] != len(pools) or selection.kept.shape[1] > size:
                 raise ValueError(
                     f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
                     f"{len(pools)} images of {size} tokens"
