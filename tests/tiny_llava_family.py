@@ -12,9 +12,12 @@ placeholder runs always match what ``forward`` scatters (a mismatch raises insid
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import (
     CLIPVisionConfig,
     LlamaConfig,
@@ -133,8 +136,10 @@ def _feature_lengths(model: PreTrainedModel, **inputs) -> list[int]:
     with torch.no_grad():
         if "pixel_values_videos" in inputs:
             # [videos, n, D] (OneVision) or [videos * frames, n / frames, D] (Video-LLaVA)
-            features = model.model.get_video_features(**inputs).pooler_output
             videos = inputs["pixel_values_videos"].shape[0]
+            # positional: the argument is ``pixel_values`` for OneVision before transformers 5.23
+            features = model.model.get_video_features(inputs.pop("pixel_values_videos"), **inputs)
+            features = getattr(features, "pooler_output", features)
             return [features.shape[0] * features.shape[1] // videos] * videos
         else:
             features = model.model.get_image_features(**inputs).pooler_output  # list or [images, n, D]
@@ -243,6 +248,8 @@ def _video_batch(model, batch_size: int, seed: int) -> Batch:
     """One video per row, then an instruction; ``pixel_values_videos`` in ``extra``, no images."""
     videos = torch.cat([_frames(model, 1, _row_generator(seed, r)) for r in range(batch_size)])
     n_visual = _feature_lengths(model, pixel_values_videos=videos[:1])[0]
+    if model.config.model_type == "llava_onevision" and Version(transformers.__version__) < Version("5.23"):
+        n_visual += 1  # older releases append the video's image_newline in forward, not get_video_features
     rows = [
         _row(_row_generator(seed + 1, r), a, b, (VIDEO_ID, n_visual))
         for r, (a, b) in enumerate(_lengths(batch_size))
@@ -266,6 +273,14 @@ def video_llava_video_batch(
     return _video_batch(model, batch_size, seed)
 
 
+def _video_llava_images(model: VideoLlavaForConditionalGeneration, pixels: torch.Tensor) -> dict:
+    """Video-LLaVA's image argument as ``Batch`` fields: ``pixel_values`` (transformers 5.23) or, in older
+    5.x releases, ``pixel_values_images``."""
+    if "pixel_values_images" in inspect.signature(model.forward).parameters:
+        return {"pixels": None, "extra": {"pixel_values_images": pixels}}
+    return {"pixels": pixels, "extra": {}}
+
+
 def video_llava_batch(model: VideoLlavaForConditionalGeneration, batch_size: int = 1, seed: int = 0) -> Batch:
     """One image per row (16 ``<image>`` tokens, the [CLS] dropped), then an instruction."""
     n_visual = model.config.image_seq_length
@@ -276,7 +291,8 @@ def video_llava_batch(model: VideoLlavaForConditionalGeneration, batch_size: int
         _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, n_visual))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
-    return _one_run_batch(rows, IMAGE_ID, n_visual, pixels)
+    images = _video_llava_images(model, pixels)
+    return _one_run_batch(rows, IMAGE_ID, n_visual, images["pixels"], extra=images["extra"])
 
 
 def llava_onevision_multi_image_batch(
@@ -316,5 +332,8 @@ def video_llava_multi_image_batch(
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
     ids, mask, _, _ = _left_pad(rows, [(0, 0)] * batch_size)
-    extra = {"pixel_values_videos": videos}
-    return Batch(ids, mask, pixels, [], [], n_image + n_video, visual_ids=(IMAGE_ID, VIDEO_ID), extra=extra)
+    images = _video_llava_images(model, pixels)
+    extra = {"pixel_values_videos": videos, **images["extra"]}
+    return Batch(
+        ids, mask, images["pixels"], [], [], n_image + n_video, visual_ids=(IMAGE_ID, VIDEO_ID), extra=extra
+    )

@@ -25,6 +25,7 @@ import transformers
 from torch import nn
 
 import priortr
+from priortr import compat
 from priortr.adapters import adapter_for
 from priortr.configs import load_config
 from priortr.flops import kv_cache_bytes, scheduled_prefill_flops
@@ -325,7 +326,9 @@ def run_bench(
     baseline: dict[int, CaseResult] = {}
     for method, budget, batch in progress(cases):
         generator = torch.Generator().manual_seed(seed)
-        inputs = adapter.dummy_inputs(config, batch, text_tokens, generator)
+        inputs = compat.rename_image_argument(
+            model, adapter.dummy_inputs(config, batch, text_tokens, generator)
+        )
         inputs = {
             k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
         }

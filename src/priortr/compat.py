@@ -7,6 +7,7 @@ is ``None`` (implicit causal), a 2D padding mask (FlashAttention), a 4D mask, or
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,16 @@ def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
     if mask is None:
         return None
     raise ValueError(f"unsupported attention mask type {type(mask).__name__} on a pruned cache")
+
+
+def rename_image_argument(model: Any, inputs: dict) -> dict:
+    """``inputs`` with ``pixel_values`` renamed ``pixel_values_images`` for models whose forward still
+    calls it that (Video-LLaVA before transformers 5.23)."""
+    parameters = inspect.signature(model.forward).parameters
+    if "pixel_values" in inputs and "pixel_values" not in parameters and "pixel_values_images" in parameters:
+        inputs = dict(inputs)
+        inputs["pixel_values_images"] = inputs.pop("pixel_values")
+    return inputs
 
 
 def map_hidden_states(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -232,7 +232,8 @@ def _pad_rows(rows: list[torch.Tensor], fill: float = -1) -> torch.Tensor:
 
 def _has_raw_pixels(call: dict) -> bool:
     """Whether a model call brings raw images or video, which the vision tower encodes inside it."""
-    return any(call.get(key) is not None for key in ("pixel_values", "pixel_values_videos"))
+    keys = ("pixel_values", "pixel_values_images", "pixel_values_videos")  # the last two: Video-LLaVA
+    return any(call.get(key) is not None for key in keys)
 
 
 def _has_visual_inputs(call: dict) -> bool:
