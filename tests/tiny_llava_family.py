@@ -276,7 +276,7 @@ def video_llava_video_batch(
 def _video_llava_images(model: VideoLlavaForConditionalGeneration, pixels: torch.Tensor) -> dict:
     """Video-LLaVA's image argument as ``Batch`` fields: ``pixel_values`` (transformers 5.23) or, in older
     5.x releases, ``pixel_values_images``."""
-    if "pixel_values_images" in inspect.signature(model.forward).parameters:
+    if "pixel_values" not in inspect.signature(model.forward).parameters:
         return {"pixels": None, "extra": {"pixel_values_images": pixels}}
     return {"pixels": pixels, "extra": {}}
 
