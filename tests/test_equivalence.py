@@ -13,6 +13,7 @@ import priortr
 from priortr.engine import PruningEngine
 from tests.families import FAMILIES, setup
 from tests.oracle import masked_reference
+from tests.pruned import kept_rows
 from tests.tiny import Batch, llava_batch, tiny_llava
 
 LAYER, BUDGET, NEW_TOKENS = 1, 5, 6
@@ -23,14 +24,6 @@ def pruned_columns(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
     pruned = batch.visual_mask().clone()
     pruned.scatter_(1, kept, False)
     return pruned
-
-
-def kept_logits(
-    logits: torch.Tensor, positions: torch.Tensor, batch: Batch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [B, S, V] at ``positions`` [B, S'], and which of those are real (non-padding) tokens."""
-    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
-    return picked, batch.attention_mask.gather(1, positions).bool()
 
 
 def generate(model, batch: Batch, **kwargs):
@@ -53,11 +46,11 @@ def test_prefill_logits_match_masked_reference(family, batch_size):
         torch.no_grad(),
     ):
         reference = model(**batch.kwargs()).logits
-    expected, real = kept_logits(reference, result.positions, batch)
+    expected, real = kept_rows(reference, result, batch)
     torch.testing.assert_close(logits[real], expected[real], atol=1e-10, rtol=0)
 
     with torch.no_grad():
-        stock, _ = kept_logits(model(**batch.kwargs()).logits, result.positions, batch)
+        stock, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
     assert (stock[real] - logits[real]).abs().max() > 1e-6, "the unpruned model must differ"
 
 

@@ -98,15 +98,14 @@ def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
     if isinstance(mask, dict):
         return {kind: hide_cached_columns(value, hidden) for kind, value in mask.items()}
     if isinstance(mask, torch.Tensor):
-        if mask.ndim == 2:
-            mask = mask.clone()
-            cached = hidden.shape[1]
-            mask[:, :cached] = mask[:, :cached] * (~hidden).to(mask.device, mask.dtype)
-            return mask
         return hide_key_columns(mask, hidden)
     if mask is None:
         return None
     raise ValueError(f"unsupported attention mask type {type(mask).__name__} on a pruned cache")
+
+
+RAW_PIXEL_ARGUMENTS = ("pixel_values", "pixel_values_images", "pixel_values_videos")
+"""Model arguments that carry raw images or video (``pixel_values_images``: Video-LLaVA before 5.23)."""
 
 
 def rename_image_argument(model: Any, inputs: dict) -> dict:

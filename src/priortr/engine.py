@@ -193,11 +193,18 @@ class _Prefill:
         """The next stage's scored layer, or None when every stage ran."""
         return self.layers[0] if self.layers else None
 
+    def positions(self) -> torch.Tensor:
+        """[B, S'] the absolute position of each column of the current sequence."""
+        if self.index is not None:
+            return self.index
+        batch, seq = self.key_valid.shape
+        return torch.arange(seq, device=self.key_valid.device).expand(batch, seq)
+
     def current(self) -> torch.Tensor:
         """[B, S] the current column of each absolute position, -1 where it was dropped."""
-        batch, seq = self.key_valid.shape
         if self.index is None:
-            return torch.arange(seq, device=self.key_valid.device).expand(batch, seq)
+            return self.positions()
+        batch, seq = self.key_valid.shape
         current = torch.full((batch, seq), -1, dtype=torch.long, device=self.key_valid.device)
         columns = torch.arange(self.index.shape[1], device=current.device).expand_as(self.index)
         return current.scatter(1, self.index.to(current.device), columns)
@@ -212,7 +219,8 @@ class _Prefill:
         return self.padding
 
     def survivors(self) -> torch.Tensor:
-        """[B, K] absolute positions of every row's surviving visual tokens, padded with -1."""
+        """[B, K] absolute positions of every row's surviving visual tokens, padded with -1; ascending,
+        as pools come in prompt order and each keeps its tokens in order."""
         rows = [[] for _ in range(self.key_valid.shape[0])]
         for pool in self.pools:
             rows[pool.row].append(pool.positions)
@@ -222,18 +230,17 @@ class _Prefill:
 
 
 def _pad_rows(rows: list[torch.Tensor], fill: float = -1) -> torch.Tensor:
-    """Stack 1-D tensors of different lengths into [B, max], each sorted, padded with ``fill``."""
+    """Stack 1-D tensors of different lengths into [B, max], padded with ``fill``."""
     width = max(row.numel() for row in rows)
     out = torch.full((len(rows), width), fill, dtype=rows[0].dtype, device=rows[0].device)
     for i, row in enumerate(rows):
-        out[i, : row.numel()] = row.sort().values if row.dtype == torch.long else row
+        out[i, : row.numel()] = row
     return out
 
 
 def _has_raw_pixels(call: dict) -> bool:
     """Whether a model call brings raw images or video, which the vision tower encodes inside it."""
-    keys = ("pixel_values", "pixel_values_images", "pixel_values_videos")  # the last two: Video-LLaVA
-    return any(call.get(key) is not None for key in keys)
+    return any(call.get(key) is not None for key in compat.RAW_PIXEL_ARGUMENTS)
 
 
 def _has_visual_inputs(call: dict) -> bool:
@@ -547,8 +554,8 @@ class PruningEngine:
             return hidden
         index = self._same_length(alive)  # [B, S''] current columns that stay
         out = gather_sequence(hidden, index)
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
         for row, columns, weights, visual in merges:
-            dtype = torch.promote_types(hidden.dtype, torch.float32)
             merged = torch.matmul(weights.to(hidden.device, dtype), visual.to(hidden.device, dtype))
             slots = torch.searchsorted(index[row].to(columns.device), columns)
             out[row, slots.to(out.device)] = merged.to(out.dtype)
@@ -621,9 +628,7 @@ class PruningEngine:
         first = torch.full((batch,), prefill.visual.shape[1], device=prefill.visual.device)
         for pool in prefill.pools:
             first[pool.row] = min(int(first[pool.row]), min(pool.separators))
-        absolute = prefill.gathered(
-            torch.arange(prefill.visual.shape[1], device=first.device).expand_as(prefill.visual)
-        )
+        absolute = prefill.positions().to(first.device)
         text = prefill.gathered(prefill.key_valid & ~prefill.visual) & (absolute >= first[:, None])
         counts = text.sum(dim=1)
         width = max(int(counts.max()), 1)
@@ -739,7 +744,7 @@ class PruningEngine:
             posterior=None if published is None else published["posterior"],
             scores=None if published is None else published["scores"],
             visual_start=visual.int().argmax(dim=1),
-            positions=prefill.index if pruned else torch.arange(seq, device=device).expand(batch, seq),
+            positions=prefill.positions(),
             padding=padding,
             pruned=pruned,
             stages=tuple(prefill.done),

@@ -76,8 +76,6 @@ def make_pools(
     ``plan(n, part)`` returns the (layer, kept) stages of a pool of ``n`` tokens; ``part`` is
     (tokens of the row's items before it, the row's visual tokens) when a count budget is split.
     """
-    if multi_image not in MULTI_IMAGE:
-        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
     rows: dict[int, list[VisualItem]] = {}
     for item in items:
         rows.setdefault(item.row, []).append(item)

@@ -50,18 +50,17 @@ def gather_attention_mask(
 
 
 def hide_key_columns(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``mask`` (2D padding or 4D, already gathered) with the key columns ``hidden`` [B, S'] masked.
+    """``mask`` (2D padding or 4D) with its first key columns masked where ``hidden`` [B, S'] is True.
 
     Rows of a batch whose visual tokens were pruned to different counts keep some pruned tokens so
-    that every row has the same length; those keys must be invisible to every query.
+    that every row has the same length; those keys (the first S' columns of a gathered layer mask, or
+    the cached prompt's columns of a later call's mask) must be invisible to every query.
     """
-    visible = ~hidden.to(mask.device)
+    blocked = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)
+    blocked[:, : hidden.shape[1]] = hidden.to(mask.device)
     if mask.ndim == 2:
-        return mask * visible.to(mask.dtype)
-    seq = hidden.shape[1]
-    blocked = torch.zeros(mask.shape[0], 1, 1, mask.shape[-1], dtype=torch.bool, device=mask.device)
-    blocked[..., :seq] = ~visible[:, None, None, :]
-    return mask.masked_fill(blocked, _masked_value(mask))
+        return mask.masked_fill(blocked, 0)
+    return mask.masked_fill(blocked[:, None, None, :], _masked_value(mask))
 
 
 def explicit_causal_mask(hidden: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
