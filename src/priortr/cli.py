@@ -26,6 +26,7 @@ import priortr
 from priortr import viz
 
 log = logging.getLogger("priortr.cli")
+TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -96,9 +97,14 @@ class PrefillTimer:
 
 
 def load(model_id: str, dtype: str | None, device: str) -> tuple[Any, nn.Module]:
-    """Processor and model from a hub id or a local directory; any loading failure becomes a ValueError."""
+    """Processor and model from a hub id, a local directory or ``testbed``; any loading failure becomes a
+    ValueError."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    if model_id == TESTBED:
+        from priortr.testbed.assemble import checkpoint
+
+        model_id = str(checkpoint())
     try:
         processor = AutoProcessor.from_pretrained(model_id)
         model = AutoModelForImageTextToText.from_pretrained(model_id, dtype=DTYPES.get(dtype, "auto"))
@@ -249,12 +255,60 @@ def cmd_viz(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The trained testbed on a held-out scene: the answers of the full model, FastV and PriorTR at a tight
+    budget, and a PNG of prior, posterior, score and kept tokens."""
+    from priortr.testbed import demo
+
+    start = time.perf_counter()
+    model, processor = demo.load()
+    sample = demo.demo_sample()
+    image = sample.image()
+    print(f"scene {sample.image_id} (seeded generator); question: {sample.question}")
+    print(f"reference answer: {sample.answer}")
+    for reply in demo.run(model, processor, sample, image, args.budget, args.layer):
+        where = "all visual tokens" if reply.budget is None else f"K = {reply.kept}/{reply.visual}"
+        verdict = "correct" if reply.correct else "wrong"
+        print(f"  {reply.method:<8} ({where}): {reply.reply.strip()!r} [{verdict}]")
+    print(demo.figure(model, processor, sample, image, args.budget, args.layer, Path(args.out)))
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Accuracy on a named split for methods x budgets; writes JSON, a markdown table and a retention plot."""
+    from priortr.testbed import data, evaluate
+
+    samples = data.load_split(args.split, args.limit)
+    processor, model = load(args.model, args.dtype, args.device)
+    report = evaluate.evaluate(
+        model,
+        processor,
+        samples,
+        args.split,
+        methods=args.methods,
+        budgets=args.budgets,
+        layer=args.layer,
+        batch_size=args.batch_size,
+        model_name=args.model,
+    )
+    for path in report.write(args.out, args.split):
+        log.info("wrote %s", path)
+    print(report.to_markdown())
+    print(f"wrote {args.out}/{args.split}.{{json,md,png}}")
+    return 0
+
+
 LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--image``, ``--prompt``, ``--device``, ``--dtype``: one real prompt on a checkpoint."""
-    parser.add_argument("--model", required=True, help="hub id or local checkpoint directory")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"hub id, local checkpoint directory, or {TESTBED} (the trained testbed)",
+    )
     parser.add_argument("--image", required=True, help="path of the image file")
     parser.add_argument("--prompt", required=True, help="the question or instruction")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -345,6 +399,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     viz.add_argument("--out", required=True, help="path of the PNG to write")
     viz.set_defaults(func=cmd_viz)
+
+    demo = commands.add_parser(
+        "demo", help="the trained testbed: full model vs FastV vs PriorTR", description=cmd_demo.__doc__
+    )
+    demo.add_argument("--budget", type=int, default=32, help="visual tokens kept of 576")
+    demo.add_argument("--layer", type=int, default=2, help=LAYER_HELP)
+    demo.add_argument("--out", default="priortr-demo.png", help="path of the PNG to write")
+    demo.set_defaults(func=cmd_demo)
+
+    from priortr.testbed import data, evaluate
+
+    ev = commands.add_parser(
+        "eval", help="accuracy under pruning, methods x budgets", description=cmd_eval.__doc__
+    )
+    ev.add_argument("--split", choices=data.SPLITS, default="scenes-test")
+    ev.add_argument("--limit", type=int, help="a fixed random subset of this many questions")
+    ev.add_argument("--model", default=TESTBED, help=f"{TESTBED}, or a checkpoint with a chat template")
+    ev.add_argument("--methods", nargs="+", default=list(evaluate.DEFAULT_METHODS))
+    ev.add_argument("--budgets", type=int, nargs="+", default=list(evaluate.DEFAULT_BUDGETS))
+    ev.add_argument("--layer", type=int, default=2, help=LAYER_HELP)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--out", default="eval-out", help="folder for <split>.json, .md and .png")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -1,0 +1,243 @@
+"""Accuracy under pruning: methods x budgets over a named question split (``priortr eval``).
+
+Every (method, budget) cell answers the same questions with greedy decoding, pruned by
+``priortr.apply`` at the same layer; ``vanilla`` is the stock model with every visual token. A reply is
+correct when its first word equals the one-word reference answer (case-insensitive). Retention is a
+cell's accuracy over vanilla's, as in the paper's tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from priortr.api import apply
+from priortr.testbed.data import Sample, iter_images
+
+VANILLA = "vanilla"
+DEFAULT_METHODS = (VANILLA, "random", "fastv", "posterior", "priortr")
+DEFAULT_BUDGETS = (192, 128, 64, 32)
+
+
+@dataclass
+class Cell:
+    """One method at one budget (``budget`` None: every visual token)."""
+
+    method: str
+    budget: int | None
+    correct: int = 0
+    total: int = 0
+    kept_tokens: int = 0
+    visual_tokens: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [correct, total]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+    def add(self, sample: Sample, reply: str, kept: int, visual: int) -> None:
+        hit = int(first_word(reply) == sample.answer.lower())
+        self.correct += hit
+        self.total += 1
+        self.kept_tokens += kept
+        self.visual_tokens += visual
+        counts = self.by_kind.setdefault(sample.kind, [0, 0])
+        counts[0] += hit
+        counts[1] += 1
+
+
+@dataclass
+class Report:
+    split: str
+    model: str
+    layer: int
+    dtype: str
+    cells: list[Cell]
+    seconds: float = 0.0
+
+    @property
+    def vanilla(self) -> Cell | None:
+        return next((c for c in self.cells if c.method == VANILLA), None)
+
+    def retention(self, cell: Cell) -> float | None:
+        base = self.vanilla
+        return cell.accuracy / base.accuracy if base is not None and base.accuracy > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        cells = []
+        for cell in self.cells:
+            row = asdict(cell)
+            row["accuracy"] = cell.accuracy
+            row["retention"] = self.retention(cell)
+            row["mean_kept"] = cell.kept_tokens / cell.total if cell.total else None
+            cells.append(row)
+        return {
+            "split": self.split,
+            "model": self.model,
+            "layer": self.layer,
+            "dtype": self.dtype,
+            "seconds": round(self.seconds, 1),
+            "cells": cells,
+        }
+
+    def to_markdown(self) -> str:
+        budgets = sorted({c.budget for c in self.cells if c.budget is not None}, reverse=True) or [None]
+        n = self.cells[0].total if self.cells else 0
+        lines = [
+            f"Split `{self.split}` ({n} questions), model `{self.model}`, scored layer {self.layer}, "
+            f"{self.dtype}. Accuracy % (retention % of vanilla).",
+            "",
+            "| method | " + " | ".join(f"K = {b or 'all'}" for b in budgets) + " |",
+            "|---|" + "---:|" * len(budgets),
+        ]
+        base = self.vanilla
+        if base is not None:
+            lines.append(
+                f"| vanilla (all {base.visual_tokens // max(base.total, 1)}) | "
+                + " | ".join(f"{100 * base.accuracy:.1f}" for _ in budgets)
+                + " |"
+            )
+        for method in dict.fromkeys(c.method for c in self.cells if c.method != VANILLA):
+            row = {c.budget: c for c in self.cells if c.method == method}
+            lines.append(f"| {method} | " + " | ".join(self._entry(row.get(b)) for b in budgets) + " |")
+        kinds = sorted({k for c in self.cells for k in c.by_kind})
+        lines += [
+            "",
+            "Accuracy % by question kind:",
+            "",
+            "| method | K | " + " | ".join(kinds) + " |",
+            "|---|---:|" + "---:|" * len(kinds),
+        ]
+        for cell in self.cells:
+            values = [cell.by_kind.get(k, [0, 0]) for k in kinds]
+            lines.append(
+                f"| {cell.method} | {cell.budget or 'all'} | "
+                + " | ".join(f"{100 * c / t:.1f}" if t else "-" for c, t in values)
+                + " |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def _entry(self, cell: Cell | None) -> str:
+        if cell is None:
+            return "-"
+        retention = self.retention(cell)
+        return f"{100 * cell.accuracy:.1f}" + (f" ({100 * retention:.0f})" if retention is not None else "")
+
+    def plot(self, path: str | Path) -> Path:
+        """Accuracy retention (% of vanilla) against the budget, a line per method."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 4.2))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        for method in dict.fromkeys(c.method for c in self.cells if c.method != VANILLA):
+            cells = sorted((c for c in self.cells if c.method == method), key=lambda c: c.budget)
+            ax.plot(
+                [c.budget for c in cells],
+                [100 * (self.retention(c) or 0) for c in cells],
+                marker="o",
+                label=method,
+            )
+        ax.axhline(100, color="grey", linestyle="--", linewidth=1, label="vanilla")
+        ax.set_xlabel("visual tokens kept (K)")
+        ax.set_ylabel("accuracy retention (% of vanilla)")
+        base = self.vanilla
+        title = f"{self.split}: " + (f"vanilla {100 * base.accuracy:.1f}%" if base is not None else "")
+        ax.set_title(f"{title}, layer {self.layer}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        return path
+
+    def write(self, directory: str | Path, stem: str) -> list[Path]:
+        """``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` in ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+        json_path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        md_path.write_text(self.to_markdown())
+        return [json_path, md_path, self.plot(directory / f"{stem}.png")]
+
+
+def first_word(reply: str) -> str:
+    words = re.findall(r"[a-z0-9]+", reply.lower())
+    return words[0] if words else ""
+
+
+def prompt_text(processor: Any, question: str) -> str:
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def answer(model: nn.Module, processor: Any, pairs: Sequence[tuple[Sample, Any]], max_new_tokens: int = 4):
+    """Greedy replies to a batch of (sample, image) pairs (left-padded, one prefill)."""
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(
+        images=[image for _, image in pairs],
+        text=[prompt_text(processor, sample.question) for sample, _ in pairs],
+        padding=True,
+        return_tensors="pt",
+    ).to(model.device, dtype=model.dtype)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def evaluate(
+    model: nn.Module,
+    processor: Any,
+    samples: Sequence[Sample],
+    split: str,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    layer: int = 2,
+    batch_size: int = 8,
+    model_name: str = "testbed",
+    progress: bool = True,
+) -> Report:
+    """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned."""
+    if not samples:
+        raise ValueError(f"split {split!r} has no samples to evaluate")
+    cells = [Cell(VANILLA, None)] if VANILLA in methods else []
+    cells += [Cell(m, b) for m in methods if m != VANILLA for b in budgets]
+    pairs = list(iter_images(list(samples)))
+    bar = tqdm(total=len(cells) * len(pairs), desc=f"eval {split}", unit="q", disable=not progress)
+    start = time.perf_counter()
+    for cell in cells:
+        bar.set_postfix_str(f"{cell.method} K={cell.budget or 'all'}")
+        pruning = (
+            contextlib.nullcontext()
+            if cell.method == VANILLA
+            else apply(model, method=cell.method, budget=cell.budget, layer=layer, strict=True)
+        )
+        with pruning as handle, torch.inference_mode():
+            for i in range(0, len(pairs), batch_size):
+                batch = pairs[i : i + batch_size]
+                replies = answer(model, processor, batch)
+                visual = _visual_tokens(model, len(batch), handle)
+                kept = visual if handle is None else (handle.last.kept >= 0).sum(1).tolist()
+                for (sample, _), reply, k, v in zip(batch, replies, kept, visual, strict=True):
+                    cell.add(sample, reply, k, v)
+                bar.update(len(batch))
+    bar.close()
+    dtype = str(model.dtype).removeprefix("torch.")
+    return Report(split, model_name, layer, dtype, cells, time.perf_counter() - start)
+
+
+def _visual_tokens(model: nn.Module, rows: int, handle) -> list[int]:
+    if handle is not None and handle.last is not None:
+        return handle.last.n_visual.tolist()
+    return [int(model.config.image_seq_length)] * rows

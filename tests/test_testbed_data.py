@@ -1,0 +1,115 @@
+"""The testbed's question sets: deterministic scenes whose answers are true of the drawn pixels, and fixed
+named splits."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from priortr.testbed import data, scenes, train
+
+
+def pixels(image) -> torch.Tensor:
+    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+
+
+def test_a_scene_is_a_pure_function_of_split_and_index():
+    first, again = scenes.make_scene("test", 3), scenes.make_scene("test", 3)
+    assert torch.equal(pixels(first.image), pixels(again.image))
+    assert first.questions == again.questions
+    assert not torch.equal(pixels(first.image), pixels(scenes.make_scene("test", 4).image))
+    assert not torch.equal(pixels(first.image), pixels(scenes.make_scene("train", 3).image))
+
+
+def test_the_generator_does_not_depend_on_global_random_state():
+    import random
+
+    random.seed(1)
+    torch.manual_seed(1)
+    first = scenes.make_scene("train", 11)
+    random.seed(2)
+    torch.manual_seed(2)
+    assert torch.equal(pixels(first.image), pixels(scenes.make_scene("train", 11).image))
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_answers_are_true_of_the_drawn_pixels(index):
+    scene = scenes.make_scene("train", index)
+    image = pixels(scene.image)
+    small = [t for t in scene.things if t.kind == "shape" and not t.large]
+    assert 2 <= len(small) <= 3
+    assert len({t.name for t in small}) == len(small) and len({t.colour for t in small}) == len(small)
+    for question in scene.questions:
+        thing = question.target
+        x0, y0, x1, y1 = thing.box
+        centre = image[(y0 + y1) // 2, (x0 + x1) // 2]
+        if question.kind == "colour":
+            assert question.answer == thing.colour
+            assert centre.tolist() == list(scenes.COLOURS[thing.colour])
+        elif question.kind == "shape":
+            assert question.answer == thing.name and thing.colour in question.text
+        elif question.kind == "side":
+            assert question.answer == ("left" if x0 + x1 < scenes.SIZE else "right")
+            assert abs((x0 + x1) / 2 - scenes.SIZE / 2) >= 12
+        else:
+            assert question.answer in scenes.LETTERS
+            tile = image[y0 + 1 : y1, x0 + 1 : x1]
+            assert (tile == 0).all(-1).any(), "the letter strokes are drawn in black on the tile"
+
+
+def test_no_two_things_overlap():
+    for index in range(20):
+        boxes = [t.box for t in scenes.make_scene("test", index).things]
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                assert a[2] < b[0] or b[2] < a[0] or a[3] < b[1] or b[3] < a[1]
+
+
+def test_dense_labels_mark_the_patches_under_each_object():
+    scene = scenes.make_scene("train", 0)
+    labels = train.scene_labels(scene)
+    letter = next(t for t in scene.things if t.kind == "letter")
+    marked = labels["letter"].view(24, 24) == train.LETTER_LABELS.index(letter.name)
+    rows, cols = torch.nonzero(marked, as_tuple=True)
+    assert rows.numel() >= 4
+    assert rows.min() * 8 >= letter.box[1] - 8 and cols.min() * 8 >= letter.box[0] - 8
+    assert (labels["colour"] > 0).sum() > 0 and (labels["letter"] == train.IGNORE).sum() > 500
+    assert (labels["size"] == 0).sum() > 400, "background patches are labelled for size only"
+
+
+def test_scene_test_split_is_fixed_and_balanced():
+    split = data.load_split("scenes-test")
+    assert len(split) == data.SCENE_TEST_SIZE
+    assert Counter(s.kind for s in split) == dict.fromkeys(scenes.QUESTION_KINDS, data.SCENE_TEST_SIZE // 4)
+    assert split == data.load_split("scenes-test")
+    assert {s.image_id.split("/")[0] for s in split} == {"test"}
+
+
+def test_a_limit_keeps_a_fixed_subset_that_mixes_question_kinds():
+    subset = data.load_split("scenes-test", limit=40)
+    assert subset == data.load_split("scenes-test", limit=40)
+    assert len(subset) == 40 and len({s.image_id for s in subset}) == 40
+    assert set(Counter(s.kind for s in subset)) == set(scenes.QUESTION_KINDS)
+    with pytest.raises(ValueError, match="at least 1"):
+        data.load_split("scenes-test", limit=0)
+
+
+def test_easy_vqa_test_split_is_the_package_test_set():
+    split = data.load_split("easy-vqa-test")
+    assert len(split) == 9673
+    assert Counter(s.kind for s in split)["yes/no"] == 3611 + 3525
+    image = split[0].image()
+    assert image.size == (64, 64) and image.mode == "RGB"
+
+
+def test_unknown_split_names_the_choices():
+    with pytest.raises(ValueError, match="scenes-test"):
+        data.load_split("scenes-train")
+
+
+def test_easy_vqa_attributes_ignore_negated_questions():
+    samples = [
+        data.Sample("easy-vqa", "train/0", "is there not a yellow shape?", "yes", "yes/no"),
+        data.Sample("easy-vqa", "train/0", "what is the blue shape?", "rectangle", "shape"),
+    ]
+    assert train.easy_vqa_attributes(samples) == ("rectangle", "blue")
