@@ -19,7 +19,7 @@ from priortr.adapters import adapter_for
 from priortr.api import apply
 from priortr.testbed import assemble
 from priortr.testbed.data import Sample, scene_samples
-from priortr.testbed.evaluate import answer, first_word
+from priortr.testbed.evaluate import answer, is_correct
 
 DEMO_SCENE = ("test", 7)
 DEMO_KIND = "colour"
@@ -53,16 +53,12 @@ def run(model, processor, sample: Sample, image, budget: int, layer: int, method
     with torch.inference_mode():
         reply = answer(model, processor, [(sample, image)], max_new_tokens=8)[0]
         visual = int(model.config.image_seq_length)
-        replies.append(
-            DemoReply("vanilla", None, reply, visual, visual, first_word(reply) == sample.answer.lower())
-        )
+        replies.append(DemoReply("vanilla", None, reply, visual, visual, is_correct(sample, reply)))
         for method in methods:
             with apply(model, method=method, budget=budget, layer=layer, strict=True) as handle:
                 reply = answer(model, processor, [(sample, image)], max_new_tokens=8)[0]
                 kept = int((handle.last.kept[0] >= 0).sum())
-            replies.append(
-                DemoReply(method, budget, reply, kept, visual, first_word(reply) == sample.answer.lower())
-            )
+            replies.append(DemoReply(method, budget, reply, kept, visual, is_correct(sample, reply)))
     return replies
 
 

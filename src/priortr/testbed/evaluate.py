@@ -46,7 +46,7 @@ class Cell:
         return self.correct / self.total if self.total else float("nan")
 
     def add(self, sample: Sample, reply: str, kept: int, visual: int) -> None:
-        hit = int(first_word(reply) == sample.answer.lower())
+        hit = int(is_correct(sample, reply))
         self.correct += hit
         self.total += 1
         self.kept_tokens += kept
@@ -176,6 +176,11 @@ class Report:
 def first_word(reply: str) -> str:
     words = re.findall(r"[a-z0-9]+", reply.lower())
     return words[0] if words else ""
+
+
+def is_correct(sample: Sample, reply: str) -> bool:
+    """The reply's first word is the reference answer (case-insensitive)."""
+    return first_word(reply) == sample.answer.lower()
 
 
 def prompt_text(processor: Any, question: str) -> str:
