@@ -50,11 +50,21 @@ def test_answers_are_true_of_the_drawn_pixels(index):
             assert question.answer == thing.name and thing.colour in question.text
         elif question.kind == "side":
             assert question.answer == ("left" if x0 + x1 < scenes.SIZE else "right")
-            assert abs((x0 + x1) / 2 - scenes.SIZE / 2) >= 12
+            assert x1 < scenes.SIZE // 2 or x0 >= scenes.SIZE // 2, "wholly on one side"
         else:
             assert question.answer in scenes.LETTERS
             tile = image[y0 + 1 : y1, x0 + 1 : x1]
             assert (tile == 0).all(-1).any(), "the letter strokes are drawn in black on the tile"
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_small_shapes_and_the_letter_tile_are_whole_patches_on_one_side(index):
+    for thing in scenes.make_scene("test", index).things:
+        if thing.large:
+            continue
+        x0, y0, x1, y1 = thing.box
+        assert x0 % 8 == 0 and y0 % 8 == 0 and (x1 + 1) % 8 == 0 and (y1 + 1) % 8 == 0
+        assert x1 < scenes.SIZE // 2 or x0 >= scenes.SIZE // 2
 
 
 def test_no_two_things_overlap():
@@ -107,9 +117,16 @@ def test_unknown_split_names_the_choices():
         data.load_split("scenes-train")
 
 
-def test_easy_vqa_attributes_ignore_negated_questions():
-    samples = [
-        data.Sample("easy-vqa", "train/0", "is there not a yellow shape?", "yes", "yes/no"),
-        data.Sample("easy-vqa", "train/0", "what is the blue shape?", "rectangle", "shape"),
-    ]
-    assert train.easy_vqa_attributes(samples) == ("rectangle", "blue")
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_easy_vqa_attributes_read_from_pixels_agree_with_the_answers(split):
+    by_image: dict[str, list[data.Sample]] = {}
+    for sample in data.easy_vqa_samples(split):
+        by_image.setdefault(sample.image_id, []).append(sample)
+    checked = 0
+    for image_id in list(by_image)[:60]:
+        shape, colour = train.easy_vqa_attributes(data.load_image("easy-vqa", image_id))
+        for sample in by_image[image_id]:
+            if sample.kind in ("shape", "colour"):
+                assert sample.answer == (shape if sample.kind == "shape" else colour), sample
+                checked += 1
+    assert checked > 60

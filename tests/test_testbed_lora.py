@@ -55,3 +55,18 @@ def test_merge_refuses_an_adapter_without_a_projection():
             {"self_attn.x_proj.lora_a": torch.zeros(2, 6), "self_attn.x_proj.lora_b": torch.zeros(6, 2)},
             4.0,
         )
+
+
+def test_load_puts_saved_adapters_back_for_resuming():
+    torch.manual_seed(0)
+    trained, resumed = Layer(), Layer()
+    resumed.load_state_dict(trained.state_dict())
+    with torch.no_grad():
+        for p in lora.add(trained, rank=2, alpha=4.0):
+            p.normal_()
+    lora.add(resumed, rank=2, alpha=4.0)
+    x = torch.randn(3, 6)
+    assert not torch.allclose(resumed.self_attn.v_proj(x), trained.self_attn.v_proj(x))
+    lora.load(resumed, lora.state(trained))
+    for name in lora.TARGETS:
+        torch.testing.assert_close(getattr(resumed.self_attn, name)(x), getattr(trained.self_attn, name)(x))

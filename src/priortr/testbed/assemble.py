@@ -121,14 +121,21 @@ def save_trained(path: Path, model: LlavaForConditionalGeneration, adapters: dic
     save_file(tensors, str(path), metadata={k: str(v) for k, v in metadata.items()})
 
 
-def load_trained(model: LlavaForConditionalGeneration, path: Path = WEIGHTS) -> dict[str, str]:
-    """Load the shipped parts into ``model`` (LoRA merged into its language model); returns the metadata."""
+def read_trained(path: Path = WEIGHTS) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]]:
+    """The trained parts in ``path`` as float32 state dicts ``{"vision_tower", "projector", "lora"}``,
+    and the file's metadata."""
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
         parts: dict[str, dict[str, torch.Tensor]] = {"vision_tower": {}, "projector": {}, "lora": {}}
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             part, _, name = key.partition(".")
             parts[part][name] = f.get_tensor(key).float()
+    return parts, metadata
+
+
+def load_trained(model: LlavaForConditionalGeneration, path: Path = WEIGHTS) -> dict[str, str]:
+    """Load the shipped parts into ``model`` (LoRA merged into its language model); returns the metadata."""
+    parts, metadata = read_trained(path)
     model.model.vision_tower.load_state_dict(parts["vision_tower"])
     model.model.multi_modal_projector.load_state_dict(parts["projector"])
     lora.merge(model.model.language_model, parts["lora"], float(metadata["lora_alpha"]))

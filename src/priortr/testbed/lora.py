@@ -57,6 +57,15 @@ def state(language_model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def load(language_model: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
+    """Put ``adapters`` (as written by ``state``) back into the wrapped projections, to resume training."""
+    for name, parent, child in _targets(language_model):
+        module = getattr(parent, child)
+        module.lora_a.copy_(adapters[f"{name}.lora_a"])
+        module.lora_b.copy_(adapters[f"{name}.lora_b"])
+
+
+@torch.no_grad()
 def merge(language_model: nn.Module, adapters: dict[str, torch.Tensor], alpha: float) -> None:
     """Fold ``adapters`` (as written by ``state``) into the plain projections of ``language_model``."""
     modules = dict(language_model.named_modules())

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
 
-VERSION = 1
+VERSION = 2
 SIZE = 192
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -31,13 +31,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (20, 20, 20),
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
-# Letters drawn as strokes in a unit box, (x0, y0, x1, y1); chosen to be distinct at 3x3 patches.
+# Letters drawn as strokes in a unit box, (x0, y0, x1, y1); chosen to differ in most of their 3 x 3 patches.
 LETTERS: dict[str, tuple[tuple[float, float, float, float], ...]] = {
     "A": ((0, 1, 0.5, 0), (0.5, 0, 1, 1), (0.25, 0.55, 0.75, 0.55)),
     "E": ((0, 0, 0, 1), (0, 0, 1, 0), (0, 0.5, 0.8, 0.5), (0, 1, 1, 1)),
-    "F": ((0, 0, 0, 1), (0, 0, 1, 0), (0, 0.5, 0.8, 0.5)),
     "H": ((0, 0, 0, 1), (1, 0, 1, 1), (0, 0.5, 1, 0.5)),
-    "K": ((0, 0, 0, 1), (1, 0, 0, 0.55), (0.3, 0.4, 1, 1)),
     "L": ((0, 0, 0, 1), (0, 1, 1, 1)),
     "T": ((0, 0, 1, 0), (0.5, 0, 0.5, 1)),
     "V": ((0, 0, 0.5, 1), (0.5, 1, 1, 0)),
@@ -45,6 +43,8 @@ LETTERS: dict[str, tuple[tuple[float, float, float, float], ...]] = {
     "Z": ((0, 0, 1, 0), (1, 0, 0, 1), (0, 1, 1, 1)),
 }
 SPLITS = ("train", "test")
+GRID_STEP = 8
+TILE = 24
 QUESTION_KINDS = ("colour", "shape", "side", "letter")
 
 
@@ -130,22 +130,31 @@ def _stripe_mask(shape: str, box: tuple[int, int, int, int], angle: float, perio
     return Image.composite(mask, Image.new("L", (SIZE, SIZE), 0), stripes)
 
 
+def _free(box: tuple[int, int, int, int], taken: list[tuple[int, int, int, int]], margin: int) -> bool:
+    return all(
+        box[2] + margin < t[0] or t[2] + margin < box[0] or box[3] + margin < t[1] or t[3] + margin < box[1]
+        for t in taken
+    )
+
+
 def _place(rng: random.Random, size: int, taken: list[tuple[int, int, int, int]], margin: int):
-    """A free box of side ``size`` whose centre is clearly left or right of the middle, or None."""
+    """A free box of side ``size`` anywhere (a large distractor), or None."""
     for _ in range(200):
         x0 = rng.randint(2, SIZE - size - 2)
         y0 = rng.randint(2, SIZE - size - 2)
         box = (x0, y0, x0 + size, y0 + size)
-        centre = x0 + size / 2
-        if abs(centre - SIZE / 2) < 12 and size < 40:
-            continue
-        if all(
-            box[2] + margin < t[0]
-            or t[2] + margin < box[0]
-            or box[3] + margin < t[1]
-            or t[3] + margin < box[1]
-            for t in taken
-        ):
+        if _free(box, taken, margin):
+            return box
+    return None
+
+
+def _place_on_grid(rng: random.Random, size: int, taken: list[tuple[int, int, int, int]]):
+    """A free box of whole patches (inclusive pixel corners) wholly left or right of the middle, or None."""
+    cells = SIZE // GRID_STEP - size // GRID_STEP
+    for _ in range(200):
+        x0, y0 = (GRID_STEP * rng.randint(0, cells) for _ in range(2))
+        box = (x0, y0, x0 + size - 1, y0 + size - 1)
+        if (box[2] < SIZE // 2 or box[0] >= SIZE // 2) and _free(box, taken, GRID_STEP - 1):
             return box
     return None
 
@@ -192,20 +201,20 @@ def _try_scene(rng: random.Random, split: str, index: int) -> Scene | None:
         things.append(Thing("shape", shape, colour, box, large=True))
     small: list[Thing] = []
     for shape, colour in zip(rng.sample(SHAPES, rng.choice((2, 3))), rng.sample(palette, 3), strict=False):
-        box = _place(rng, rng.randint(16, 22), taken, 6)
+        box = _place_on_grid(rng, rng.choice((16, 24)), taken)
         if box is None:
             return None
         _draw_shape(draw, shape, box, COLOURS[colour])
         taken.append(box)
         small.append(Thing("shape", shape, colour, box))
-    box = _place(rng, 22, taken, 6)
+    box = _place_on_grid(rng, TILE, taken)
     if box is None:
         return None
     letter = rng.choice(sorted(LETTERS))
     draw.rectangle(box, fill=(255, 255, 255), outline=(60, 60, 60))
-    x0, y0 = box[0] + 4, box[1] + 4
+    x0, y0, span = box[0] + 4, box[1] + 4, TILE - 9
     for sx, sy, ex, ey in LETTERS[letter]:
-        draw.line((x0 + sx * 14, y0 + sy * 14, x0 + ex * 14, y0 + ey * 14), fill=(0, 0, 0), width=2)
+        draw.line((x0 + sx * span, y0 + sy * span, x0 + ex * span, y0 + ey * span), fill=(0, 0, 0), width=3)
     letter_thing = Thing("letter", letter, "black", box)
     things += [*small, letter_thing]
     return Scene(split, index, image, things, _questions(rng, small, letter_thing))

@@ -3,13 +3,17 @@
 Two stages, because a forward and backward pass through SmolLM2 costs ~1.6 s per 576-token sample on
 the 2-core CPU (bfloat16) and no accelerator was available:
 
-1. ``vision``: the CLIP tower alone learns, per patch, the colour, shape, size, side and letter of the
-   object under it (dense labels from the scene generator; shape and colour masks for easy-VQA). Cheap:
-   no language model.
+1. ``vision``: the CLIP tower learns, per patch, the colour, shape, size, side and letter of the object
+   under it (dense labels from the scene generator; shape and colour masks for easy-VQA), and the
+   projector learns to place each patch at the sum of SmolLM2's input embeddings of those words (a
+   filler word's for background). The language model then starts out reading an image as a grid of
+   word-like tokens instead of noise, which is what makes stage 2 short enough for a CPU. Cheap: the
+   language model only supplies its embedding table.
 2. ``align``: the projector and a rank-8 LoRA on SmolLM2's attention projections (and the tower, at a
-   lower learning rate) learn to answer, end to end through the stock ``LlavaForConditionalGeneration``,
-   with every question of an image packed as one multi-turn conversation (one image encoding and one
-   576-token prefix serve several questions).
+   lower learning rate) learn to answer, end to end through the stock ``LlavaForConditionalGeneration``.
+   All questions of an image share one encoded image: they are packed as branches after one 576-token
+   prefix, each branch attending to the prefix and itself only (a 4D mask, positions restarting after
+   the prefix), so every branch sees exactly the single-turn prompt that evaluation uses.
 
 Everything is seeded; the data version is ``scenes.VERSION`` plus easy-VQA 1.0's train split. Curves go
 to ``<out>/log.jsonl`` (``--stage plot`` draws them); ``--stage align`` writes the shipped file with
@@ -33,7 +37,17 @@ from priortr.testbed import architecture, data, scenes
 from priortr.testbed.architecture import GRID, IMAGE_SIZE, PATCH_SIZE
 
 EASY_SHAPES = ("circle", "rectangle", "triangle")
-EASY_COLOURS = ("red", "green", "blue", "black", "gray", "teal", "brown", "yellow")
+EASY_RGB = {
+    "red": (255, 0, 0),
+    "green": (0, 255, 0),
+    "blue": (0, 0, 255),
+    "black": (0, 0, 0),
+    "gray": (128, 128, 128),
+    "teal": (0, 128, 128),
+    "brown": (165, 42, 42),
+    "yellow": (255, 255, 0),
+}
+EASY_COLOURS = tuple(EASY_RGB)
 SHAPE_LABELS = ("none", *scenes.SHAPES, "rectangle")
 COLOUR_LABELS = ("none", *dict.fromkeys((*scenes.COLOURS, *EASY_COLOURS)))
 SIZE_LABELS = ("none", "small", "large")
@@ -47,6 +61,8 @@ HEADS = {
     "letter": LETTER_LABELS,
 }
 IGNORE = -100
+# Stage 1's target for a patch that shows nothing (each class label is its own word; "none" is none).
+FILLER_WORD = "."
 
 
 def pixel_values(images, processor) -> torch.Tensor:
@@ -83,40 +99,38 @@ def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
     return labels
 
 
-def easy_vqa_attributes(samples: list[data.Sample]) -> tuple[str | None, str | None]:
-    """The image's shape and colour, read back from its questions' answers."""
-    shape = colour = None
-    for s in samples:
-        words = s.question.rstrip("?").split()
-        if s.answer in EASY_SHAPES:
-            shape = s.answer
-        elif s.answer in EASY_COLOURS:
-            colour = s.answer
-        elif s.answer == "yes" and "not" not in words:
-            shape = next((w for w in words if w in EASY_SHAPES), shape)
-            colour = next((w for w in words if w in EASY_COLOURS), colour)
-        for w in words:
-            if w in EASY_COLOURS and s.answer in EASY_SHAPES:
-                colour = w
-            if w in EASY_SHAPES and s.answer in EASY_COLOURS:
-                shape = w
+def _foreground(image) -> tuple[torch.Tensor, torch.Tensor]:
+    """An easy-VQA image's pixels (height, width, 3) and where they are far from its plain background."""
+    pixels = (
+        torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        .float()
+        .view(image.height, image.width, 3)
+    )
+    return pixels, (pixels - pixels[0, 0]).abs().sum(-1) > 60
+
+
+def easy_vqa_attributes(image) -> tuple[str, str]:
+    """The shape and colour easy-VQA drew: the colour is the nearest of its eight exact RGB values to
+    the shape's median pixel, the shape follows from how much of its bounding box it fills (rectangle
+    1, circle ~0.79, triangle ~0.5). Read from pixels because the questions do not always name them
+    (agrees with every shape and colour answer of the first 400 train and 400 test images)."""
+    pixels, far = _foreground(image)
+    rows, cols = torch.nonzero(far, as_tuple=True)
+    fill = far.sum() / ((rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1))
+    median = pixels[far].median(0).values
+    colour = min(EASY_COLOURS, key=lambda c: (torch.tensor(EASY_RGB[c]) - median).abs().sum().item())
+    shape = "rectangle" if fill > 0.9 else "circle" if fill > 0.72 else "triangle"
     return shape, colour
 
 
-def easy_vqa_labels(image, samples: list[data.Sample]) -> dict[str, torch.Tensor]:
-    """The shape's patches (pixels far from the background colour) carry its shape and colour."""
-    big = image.resize((IMAGE_SIZE, IMAGE_SIZE))
-    pixels = (
-        torch.frombuffer(bytearray(big.tobytes()), dtype=torch.uint8).float().view(IMAGE_SIZE, IMAGE_SIZE, 3)
-    )
-    far = (pixels - pixels[0, 0]).abs().sum(-1) > 60
-    cover = F.avg_pool2d(far[None, None].float(), PATCH_SIZE).flatten()
-    shape, colour = easy_vqa_attributes(samples)
-    on = cover >= 0.15
+def easy_vqa_labels(image) -> dict[str, torch.Tensor]:
+    """The shape's patches carry its shape and colour."""
+    _, far = _foreground(image.resize((IMAGE_SIZE, IMAGE_SIZE)))
+    on = F.avg_pool2d(far[None, None].float(), PATCH_SIZE).flatten() >= 0.15
+    shape, colour = easy_vqa_attributes(image)
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
-    for name, value, table in (("shape", shape, SHAPE_LABELS), ("colour", colour, COLOUR_LABELS)):
-        if value is not None:
-            labels[name] = torch.where(on, table.index(value), IGNORE)
+    labels["shape"] = torch.where(on, SHAPE_LABELS.index(shape), IGNORE)
+    labels["colour"] = torch.where(on, COLOUR_LABELS.index(colour), IGNORE)
     return labels
 
 
@@ -134,7 +148,7 @@ def build_pool(n_scenes: int, processor) -> dict:
     for image_id, samples in by_image.items():
         image = data.load_image("easy-vqa", image_id)
         images.append(image)
-        labels.append(easy_vqa_labels(image, samples))
+        labels.append(easy_vqa_labels(image))
         questions.append([(s.question, s.answer) for s in samples])
     pixels = torch.cat([pixel_values(images[i : i + 256], processor) for i in range(0, len(images), 256)])
     stacked = {name: torch.stack([lab[name] for lab in labels]) for name in HEADS}
@@ -155,14 +169,106 @@ class DenseHeads(nn.Module):
         }
 
 
+class WordTargets(nn.Module):
+    """Per-patch targets for the projector: the sum of the input embeddings of the words a patch's
+    labels name (the first token of each word, the one an answer starts with), or the filler word's
+    embedding where no label names anything (background)."""
+
+    def __init__(self, embeddings: torch.Tensor, tokenizer) -> None:
+        super().__init__()
+
+        def row(word: str | None) -> torch.Tensor:
+            if word is None:
+                return torch.zeros(embeddings.shape[1])
+            return embeddings[tokenizer(word)["input_ids"][0]].detach().float()
+
+        for name, table in HEADS.items():
+            self.register_buffer(
+                name, torch.stack([row(None if label == "none" else label) for label in table])
+            )
+        self.register_buffer("filler", row(FILLER_WORD))
+        self.scale = float(embeddings.detach().float().pow(2).mean())
+
+    def forward(self, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Targets ``(batch, patches, hidden)`` and which patches name something."""
+        total = torch.zeros((*labels["size"].shape, self.filler.shape[0]))
+        named = torch.zeros((*labels["size"].shape, 1), dtype=torch.bool)
+        for name in HEADS:
+            label = labels[name]
+            keep = (label > 0)[..., None]
+            total = total + getattr(self, name)[label.clamp(min=0)] * keep
+            named = named | keep
+        return torch.where(named, total, self.filler), named[..., 0]
+
+
+def word_loss(
+    projected: torch.Tensor, target: torch.Tensor, named: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Mean squared error in units of the embedding table's mean square, averaged separately over
+    named and background patches (the few object patches would otherwise not count)."""
+    error = (projected.float() - target).pow(2).mean(-1) / scale
+    background = ~named
+    return error[named].mean() + error[background].mean()
+
+
+def vision_parts(tokenizer, language_model):
+    """A fresh tower and LLaVA projector of the testbed's shape, and the word targets."""
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    config = architecture.llava_config(
+        language_model.config, tokenizer.convert_tokens_to_ids(architecture.IMAGE_TOKEN)
+    )
+    targets = WordTargets(language_model.get_input_embeddings().weight, tokenizer)
+    return CLIPVisionModel(config.vision_config), LlavaMultiModalProjector(config), targets
+
+
+@torch.no_grad()
+def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes: int, per_source: int = 200):
+    """Solve the projector's output layer for the word targets in closed form (weighted ridge
+    regression on the hidden layer, over ``per_source`` random scenes and as many easy-VQA images),
+    with named patches weighted up to the background's total. A few minutes of SGD leave the output
+    layer far from this optimum, and the language model reads exactly this layer."""
+    generator = torch.Generator().manual_seed(1)
+    n = pool["pixel_values"].shape[0]
+    picked = torch.cat(
+        [
+            torch.randperm(n_scenes, generator=generator)[:per_source],
+            n_scenes + torch.randperm(n - n_scenes, generator=generator)[:per_source],
+        ]
+    )
+    hidden, wanted, named = [], [], []
+    for chunk in picked.split(40):
+        features = tower(pool["pixel_values"][chunk].float(), output_hidden_states=True).hidden_states[-1][
+            :, 1:
+        ]
+        target, is_named = targets({k: v[chunk] for k, v in pool["labels"].items()})
+        hidden.append(projector.act(projector.linear_1(features)).flatten(0, 1))
+        wanted.append(target.flatten(0, 1))
+        named.append(is_named.flatten())
+    inputs = torch.cat(hidden).double()
+    inputs = torch.cat([inputs, torch.ones(len(inputs), 1, dtype=torch.double)], 1)
+    is_named = torch.cat(named)
+    weight = torch.where(is_named, (~is_named).sum() / is_named.sum(), 1.0).double()[:, None]
+    gram = inputs.T @ (inputs * weight) + 1e-3 * len(inputs) * torch.eye(inputs.shape[1], dtype=torch.double)
+    solution = torch.linalg.solve(gram, inputs.T @ (torch.cat(wanted).double() * weight))
+    projector.linear_2.weight.copy_(solution[:-1].T)
+    projector.linear_2.bias.copy_(solution[-1])
+
+
 def train_vision(
-    pool: dict, steps: int, batch: int, lr: float, log, init: Path | None = None
-) -> CLIPVisionModel:
-    tower = CLIPVisionModel(architecture.vision_config())
+    pool: dict, steps: int, batch: int, lr: float, log, n_scenes: int, init: Path | None = None
+) -> dict:
+    from priortr.testbed import assemble
+
+    language_model, tokenizer = assemble.smollm2()
+    tower, projector, targets = vision_parts(tokenizer, language_model)
+    del language_model
     if init is not None:
-        tower.load_state_dict(torch.load(init))
+        state = torch.load(init)
+        tower.load_state_dict(state["tower"])
+        projector.load_state_dict(state["projector"])
     heads = DenseHeads(tower.config.hidden_size)
-    params = [*tower.parameters(), *heads.parameters()]
+    params = [*tower.parameters(), *projector.parameters(), *heads.parameters()]
     optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, lr, total_steps=steps, pct_start=0.05)
     n = pool["pixel_values"].shape[0]
@@ -170,11 +276,14 @@ def train_vision(
     start = time.time()
     for step in range(steps):
         idx = torch.randint(n, (batch,), generator=generator)
+        labels = {k: v[idx] for k, v in pool["labels"].items()}
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = tower(pool["pixel_values"][idx].float(), output_hidden_states=True)
-            losses = heads(
-                out.hidden_states[-1][:, 1:].float(), {k: v[idx] for k, v in pool["labels"].items()}
-            )
+            features = tower(pool["pixel_values"][idx].float(), output_hidden_states=True).hidden_states[-1][
+                :, 1:
+            ]
+            losses = heads(features.float(), labels)
+            target, named = targets(labels)
+            losses["words"] = word_loss(projector(features), target, named, targets.scale)
         loss = sum(losses.values())
         optimiser.zero_grad()
         loss.backward()
@@ -191,26 +300,46 @@ def train_vision(
                     **{k: round(v.item(), 4) for k, v in losses.items()},
                 }
             )
-    return tower
+    refit_projector(tower.eval(), projector, targets, pool, n_scenes)
+    return {"tower": tower.state_dict(), "projector": projector.state_dict()}
 
 
-def conversation(
-    questions: list[tuple[str, str]], tokenizer, rng: random.Random, turns: int
-) -> tuple[list[int], list[int]]:
-    """Up to ``turns`` of an image's questions as one chat (the testbed's template); labels mark each
-    answer and its end-of-turn token."""
-    picked = rng.sample(questions, min(turns, len(questions)))
-    ids: list[int] = []
-    labels: list[int] = []
-    for turn, (question, answer) in enumerate(picked):
-        image = architecture.IMAGE_TOKEN * (GRID * GRID) + "\n" if turn == 0 else ""
-        prompt = tokenizer(f"<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n")[
-            "input_ids"
-        ]
-        reply = tokenizer(f"{answer}<|im_end|>\n")["input_ids"]
-        ids += prompt + reply
-        labels += [IGNORE] * len(prompt) + reply[:-1] + [IGNORE]
-    return ids, labels
+def branches(
+    questions: list[tuple[str, str]], tokenizer, rng: random.Random, limit: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Up to ``limit`` of an image's questions, each as the single-turn prompt plus its answer, packed
+    after one shared prefix ending with the image and its separator. Returns token ids, labels (each
+    answer and its end-of-turn token), position ids, and the branch of each token (0: the prefix)."""
+    picked = rng.sample(questions, min(limit, len(questions)))
+    image = architecture.IMAGE_TOKEN * (GRID * GRID)
+    prompts = [
+        tokenizer(f"<|im_start|>user\n{image}\n{q}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+        for q, _ in picked
+    ]
+    image_id = tokenizer.convert_tokens_to_ids(architecture.IMAGE_TOKEN)
+    shared = max(i for i, t in enumerate(prompts[0]) if t == image_id) + 2
+    if any(p[:shared] != prompts[0][:shared] for p in prompts):
+        raise ValueError("the questions do not share the image prefix token for token")
+    ids, labels = prompts[0][:shared], [IGNORE] * shared
+    positions, branch = list(range(shared)), [0] * shared
+    for number, (prompt, (_, answer)) in enumerate(zip(prompts, picked, strict=True), start=1):
+        reply = tokenizer(f"{answer}<|im_end|>")["input_ids"]
+        tail = prompt[shared:] + reply
+        ids += tail
+        labels += [IGNORE] * (len(prompt) - shared) + reply
+        positions += range(shared, shared + len(tail))
+        branch += [number] * len(tail)
+    return ids, labels, positions, branch
+
+
+def branch_mask(branch: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Boolean ``(batch, 1, length, length)`` attention: causal, the prefix (branch 0) visible to all,
+    a branch to itself only, padding to nobody but itself (a fully masked row would give NaNs)."""
+    length = branch.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    allowed = causal & same & valid[:, None, :] | torch.eye(length, dtype=torch.bool)
+    return allowed[:, None]
 
 
 def align_model(vision_state: dict, rank: int, alpha: float):
@@ -218,7 +347,9 @@ def align_model(vision_state: dict, rank: int, alpha: float):
 
     language_model, tokenizer = assemble.smollm2()
     model = assemble.llava(language_model, tokenizer)
-    model.model.vision_tower.load_state_dict(vision_state)
+    model.set_attn_implementation("sdpa")
+    model.model.vision_tower.load_state_dict(vision_state["tower"])
+    model.model.multi_modal_projector.load_state_dict(vision_state["projector"])
     model.requires_grad_(False)
     model.model.multi_modal_projector.requires_grad_(True)
     model.model.vision_tower.requires_grad_(True)
@@ -232,6 +363,7 @@ def align_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids=batch["input_ids"],
         pixel_values=batch["pixel_values"],
         attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
     ).last_hidden_state
     targets = batch["labels"][:, 1:]
     where = targets != IGNORE
@@ -240,22 +372,34 @@ def align_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return F.cross_entropy(logits, truth), (logits.argmax(-1) == truth).float().mean()
 
 
-def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _ in items)
-    input_ids = torch.full((len(items), width), pad_id)
-    labels = torch.full((len(items), width), IGNORE)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    for row, (ids, labs) in enumerate(items):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(labs)] = torch.tensor(labs)
-        mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+def collate(
+    items: list[tuple[list[int], list[int], list[int], list[int]]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    width = max(len(item[0]) for item in items)
+    columns = [torch.full((len(items), width), fill) for fill in (pad_id, IGNORE, 0, -1)]
+    for row, item in enumerate(items):
+        for column, values in zip(columns, item, strict=True):
+            column[row, : len(values)] = torch.tensor(values)
+    input_ids, labels, positions, branch = columns
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": positions,
+        "attention_mask": branch_mask(branch, branch >= 0),
+    }
 
 
 def train_align(pool: dict, vision_state: dict, args, log) -> None:
     from priortr.testbed import assemble, lora
 
     model, tokenizer, params = align_model(vision_state, args.rank, args.alpha)
+    done_before = 0
+    if args.resume is not None:
+        parts, metadata = assemble.read_trained(args.resume)
+        done_before = int(metadata["align_steps"])
+        model.model.vision_tower.load_state_dict(parts["vision_tower"])
+        model.model.multi_modal_projector.load_state_dict(parts["projector"])
+        lora.load(model.model.language_model, parts["lora"])
     tower = list(model.model.vision_tower.parameters())
     groups = [{"params": params, "lr": args.lr}, {"params": tower, "lr": args.lr * args.tower_lr_scale}]
     optimiser = torch.optim.AdamW(groups, weight_decay=0.0)
@@ -272,7 +416,7 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
             rng.randrange(n_scenes) if i % 2 == 0 else rng.randrange(n_scenes, n) for i in range(args.batch)
         ]
         batch = collate(
-            [conversation(pool["questions"][i], tokenizer, rng, args.turns) for i in idx],
+            [branches(pool["questions"][i], tokenizer, rng, args.questions) for i in idx],
             tokenizer.pad_token_id or 0,
         )
         batch["pixel_values"] = pool["pixel_values"][idx].float()
@@ -297,7 +441,7 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
                 "lora_rank": args.rank,
                 "lora_alpha": args.alpha,
                 "scenes_version": scenes.VERSION,
-                "align_steps": step + 1,
+                "align_steps": done_before + step + 1,
                 "vision_steps": args.vision_steps,
                 "seed": args.seed,
             }
@@ -339,19 +483,20 @@ def main(argv: list[str] | None = None) -> None:
         required=True,
         help="plot: draw <out>/log*.jsonl as <out>/curves.png",
     )
-    parser.add_argument("--scenes", type=int, default=6000)
+    parser.add_argument("--scenes", type=int, default=4000)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--questions", type=int, default=12, help="align: questions packed per image")
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument(
         "--tower-lr-scale", type=float, default=0.3, help="align: the tower's learning rate factor"
     )
-    parser.add_argument("--init", type=Path, help="vision: continue from this tower state (a vision.pt)")
+    parser.add_argument("--init", type=Path, help="vision: continue from this stage-1 state (a vision.pt)")
+    parser.add_argument("--resume", type=Path, help="align: start from this testbed.safetensors")
     parser.add_argument("--vision-steps", type=int, default=0, help="recorded in the metadata")
     args = parser.parse_args(argv)
     if args.stage == "plot":
@@ -378,8 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(pool, pool_file)
     log({"pool_images": pool["pixel_values"].shape[0]})
     if args.stage == "vision":
-        tower = train_vision(pool, args.steps, args.batch, args.lr, log, args.init)
-        torch.save(tower.state_dict(), args.out / "vision.pt")
+        state = train_vision(pool, args.steps, args.batch, args.lr, log, args.scenes, args.init)
+        torch.save(state, args.out / "vision.pt")
     else:
         train_align(pool, torch.load(args.out / "vision.pt"), args, log)
 

@@ -1,0 +1,106 @@
+"""The testbed's training pieces: branch packing is exactly single-turn prompting, and stage 1's word
+targets are the sums of the named words' embeddings."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from priortr.testbed import assemble, scenes, train
+from priortr.testbed.architecture import GRID, IMAGE_TOKEN
+
+QUESTIONS = [
+    ("What colour is the small circle?", "red"),
+    ("Which letter is on the white tile?", "A"),
+    ("Is the small square on the left or the right?", "left"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(assemble.gguf_directory(), gguf_file=assemble.GGUF_FILE)
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_each_branch_sees_exactly_its_single_turn_prompt(tokenizer, tiny_lm):
+    items = [
+        train.branches(QUESTIONS, tokenizer, random.Random(0), 12),
+        train.branches(QUESTIONS[:2], tokenizer, random.Random(1), 12),
+    ]
+    batch = train.collate(items, tokenizer.pad_token_id or 0)
+    packed = tiny_lm(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+    ).logits
+    answers = []
+    for row, (ids, labels, _, branch) in enumerate(items):
+        for number in range(1, max(branch) + 1):
+            keep = [i for i, b in enumerate(branch) if b in (0, number)]
+            single = [ids[i] for i in keep]
+            text = tokenizer.decode(single)
+            assert text.count(IMAGE_TOKEN) == GRID * GRID and text.endswith("<|im_end|>")
+            assert f"{IMAGE_TOKEN}\n" in text and text.count("<|im_start|>") == 2
+            reference = tiny_lm(input_ids=torch.tensor([single])).logits[0]
+            torch.testing.assert_close(packed[row, keep], reference, atol=1e-5, rtol=1e-4)
+            answers.append(tokenizer.decode([labels[i] for i in keep if labels[i] != train.IGNORE]))
+    assert sorted(answers) == sorted(f"{a}<|im_end|>" for a in ["red", "A", "left", "red", "A"])
+
+
+def test_without_the_branch_mask_the_branches_would_see_each_other(tokenizer, tiny_lm):
+    """Negative control: the same packed ids under a plain causal mask do not match single-turn logits."""
+    ids, _, positions, branch = train.branches(QUESTIONS, tokenizer, random.Random(0), 12)
+    causal = tiny_lm(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions])).logits[0]
+    last = [i for i, b in enumerate(branch) if b in (0, 3)]
+    reference = tiny_lm(input_ids=torch.tensor([[ids[i] for i in last]])).logits[0]
+    assert not torch.allclose(causal[last], reference, atol=1e-3)
+
+
+def test_branch_mask_hides_other_branches_and_padding():
+    branch = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    mask = train.branch_mask(branch, branch >= 0)[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 1],
+    ]
+
+
+def test_word_targets_are_sums_of_the_named_words_embeddings(tokenizer):
+    torch.manual_seed(0)
+    embeddings = torch.randn(len(tokenizer), 8)
+    targets = train.WordTargets(embeddings, tokenizer)
+    scene = scenes.make_scene("train", 0)
+    labels = {k: v[None] for k, v in train.scene_labels(scene).items()}
+    target, named = targets(labels)
+
+    def row(word):
+        return embeddings[tokenizer(word)["input_ids"][0]]
+
+    small = next(t for t in scene.things if t.kind == "shape" and not t.large)
+    patch = (small.box[1] // 8 + 1) * GRID + small.box[0] // 8 + 1  # inside a 2x2 or 3x3 object
+    expected = row(small.colour) + row(small.name) + row("small") + row(small.side)
+    torch.testing.assert_close(target[0, patch], expected)
+    assert named[0, patch]
+    background = torch.nonzero(labels["size"][0] == 0).flatten()[0]
+    assert not named[0, background]
+    torch.testing.assert_close(target[0, background], row(train.FILLER_WORD))
