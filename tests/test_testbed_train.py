@@ -104,3 +104,31 @@ def test_word_targets_are_sums_of_the_named_words_embeddings(tokenizer):
     background = torch.nonzero(labels["size"][0] == 0).flatten()[0]
     assert not named[0, background]
     torch.testing.assert_close(target[0, background], row(train.FILLER_WORD))
+
+
+def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tiny_lm):
+    """At the refit output layer the weighted error's gradient all but vanishes (the small ridge term
+    remains); at the random initial layer it does not, and the error is larger there."""
+    tower, projector, targets = train.vision_parts(tokenizer, tiny_lm)
+    images = [scenes.make_scene("train", i).image for i in range(3)]
+    labels = [train.scene_labels(scenes.make_scene("train", i)) for i in range(3)]
+    pool = {
+        "pixel_values": train.pixel_values(images * 2, assemble.image_processor()),
+        "labels": {k: torch.stack([lab[k] for lab in labels * 2]) for k in train.HEADS},
+    }
+    with torch.no_grad():
+        features = tower.eval()(pool["pixel_values"], output_hidden_states=True).hidden_states[-1][:, 1:]
+    target, named = targets(pool["labels"])
+
+    def error_and_gradient() -> tuple[float, torch.Tensor]:
+        projector.zero_grad()
+        error = (projector(features) - target).pow(2).sum(-1)
+        total = error[named].sum() * (~named).sum() / named.sum() + error[~named].sum()
+        total.backward()
+        return float(total.detach()), projector.linear_2.weight.grad.clone()
+
+    before, initial = error_and_gradient()
+    train.refit_projector(tower, projector, targets, pool, n_scenes=3, per_source=3)
+    after, refit = error_and_gradient()
+    assert after < before
+    assert refit.norm() < 0.05 * initial.norm()
