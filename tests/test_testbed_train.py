@@ -117,7 +117,7 @@ def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tin
         "labels": {k: torch.stack([lab[k] for lab in labels * 2]) for k in train.HEADS},
     }
     with torch.no_grad():
-        features = tower.eval()(pool["pixel_values"], output_hidden_states=True).hidden_states[-1][:, 1:]
+        features = train.patch_features(tower.eval(), pool["pixel_values"])
     target, named = targets(pool["labels"])
 
     def error_and_gradient() -> tuple[float, torch.Tensor]:

@@ -69,11 +69,20 @@ def pixel_values(images, processor) -> torch.Tensor:
     return processor(images=images, return_tensors="pt")["pixel_values"]
 
 
-def _patch_cover(mask) -> torch.Tensor:
-    pixels = (
-        torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).float().view(IMAGE_SIZE, IMAGE_SIZE)
-    )
-    return F.avg_pool2d(pixels[None, None] / 255, PATCH_SIZE).flatten()
+def patch_features(tower: CLIPVisionModel, pixels: torch.Tensor) -> torch.Tensor:
+    """What LLaVA hands the projector: the last layer's patch features, [CLS] dropped."""
+    return tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
+
+
+def _pixels(image) -> torch.Tensor:
+    """A PIL image as a float tensor (height, width, channels)."""
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).float()
+    return data.view(image.height, image.width, -1)
+
+
+def _patch_cover(mask: torch.Tensor) -> torch.Tensor:
+    """The fraction of each patch that a (height, width) mask in [0, 1] covers, in token order."""
+    return F.avg_pool2d(mask[None, None].float(), PATCH_SIZE).flatten()
 
 
 def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
@@ -84,7 +93,7 @@ def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
     labels["size"].zero_()
     labels["side"].zero_()
-    cover = torch.stack([_patch_cover(scenes.thing_mask(t)) for t in scene.things])
+    cover = torch.stack([_patch_cover(_pixels(scenes.thing_mask(t))[..., 0] / 255) for t in scene.things])
     best, owner = cover.max(0)
     for patch in torch.nonzero(best >= 0.15).flatten().tolist():
         thing = scene.things[owner[patch]]
@@ -101,11 +110,7 @@ def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
 
 def _foreground(image) -> tuple[torch.Tensor, torch.Tensor]:
     """An easy-VQA image's pixels (height, width, 3) and where they are far from its plain background."""
-    pixels = (
-        torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-        .float()
-        .view(image.height, image.width, 3)
-    )
+    pixels = _pixels(image)
     return pixels, (pixels - pixels[0, 0]).abs().sum(-1) > 60
 
 
@@ -126,7 +131,7 @@ def easy_vqa_attributes(image) -> tuple[str, str]:
 def easy_vqa_labels(image) -> dict[str, torch.Tensor]:
     """The shape's patches carry its shape and colour."""
     _, far = _foreground(image.resize((IMAGE_SIZE, IMAGE_SIZE)))
-    on = F.avg_pool2d(far[None, None].float(), PATCH_SIZE).flatten() >= 0.15
+    on = _patch_cover(far) >= 0.15
     shape, colour = easy_vqa_attributes(image)
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
     labels["shape"] = torch.where(on, SHAPE_LABELS.index(shape), IGNORE)
@@ -238,9 +243,7 @@ def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes
     )
     hidden, wanted, named = [], [], []
     for chunk in picked.split(40):
-        features = tower(pool["pixel_values"][chunk].float(), output_hidden_states=True).hidden_states[-1][
-            :, 1:
-        ]
+        features = patch_features(tower, pool["pixel_values"][chunk].float())
         target, is_named = targets({k: v[chunk] for k, v in pool["labels"].items()})
         hidden.append(projector.act(projector.linear_1(features)).flatten(0, 1))
         wanted.append(target.flatten(0, 1))
@@ -278,9 +281,7 @@ def train_vision(
         idx = torch.randint(n, (batch,), generator=generator)
         labels = {k: v[idx] for k, v in pool["labels"].items()}
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            features = tower(pool["pixel_values"][idx].float(), output_hidden_states=True).hidden_states[-1][
-                :, 1:
-            ]
+            features = patch_features(tower, pool["pixel_values"][idx].float())
             losses = heads(features.float(), labels)
             target, named = targets(labels)
             losses["words"] = word_loss(projector(features), target, named, targets.scale)
