@@ -130,3 +130,17 @@ def test_easy_vqa_attributes_read_from_pixels_agree_with_the_answers(split):
                 assert sample.answer == (shape if sample.kind == "shape" else colour), sample
                 checked += 1
     assert checked > 60
+
+
+def test_easy_vqa_words_name_the_shape_its_colour_and_side():
+    """Stage 1's word layout of an easy-VQA image: only the shape's own words, its colour leading
+    most rows, its side leading the last one, and its shape word the rest of each row."""
+    image_id = next(iter(data.easy_vqa_samples("train"))).image_id
+    image = data.load_image("easy-vqa", image_id)
+    shape, colour = train.easy_vqa_attributes(image)
+    words = train.easy_vqa_labels(image)["word"].view(24, 24)
+    rows = [row for row in words if (row > 0).sum() > 1]
+    leading = [train.WORDS[row[row > 0][0]] for row in rows]
+    assert len(rows) > 5 and set(leading[:-1]) == {colour} and leading[-1] in ("left", "right")
+    assert {train.WORDS[w] for row in rows for w in row[row > 0][1:]} == {shape}
+    assert set(words.unique().tolist()) <= {0, *(train.WORDS.index(w) for w in (shape, colour, *leading))}

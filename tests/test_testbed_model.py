@@ -110,13 +110,13 @@ def test_demo_and_eval_commands(checkpoint, tmp_path, monkeypatch, capsys):
 
 
 SMOKE_QUESTIONS = 24
-# Measured on the shipped weights (float32, CPU): letters 24/24 seeing, 3/24 blind; easy-VQA 17/24.
-LETTERS_FLOOR, BLIND_LETTERS_CEILING, EASY_FLOOR = 22, 8, 15
+# Measured on the shipped weights (float32, CPU): letters 24/24 seeing, 7/24 blind; easy-VQA 19/24.
+LETTERS_FLOOR, BLIND_LETTERS_CEILING, EASY_FLOOR = 22, 10, 17
 
 
 def _smoke_sets() -> dict[str, list[data.Sample]]:
-    """Letter questions (the kind the shipped model answers from the image: 100/100 on scenes-test) and
-    a fixed easy-VQA subset."""
+    """Letter questions (the kind the shipped model answers reliably: 100/100 on scenes-test) and a
+    fixed easy-VQA subset."""
     letters = [s for s in data.load_split("scenes-test") if s.kind == "letter"][:SMOKE_QUESTIONS]
     return {"letters": letters, "easy-vqa": data.load_split("easy-vqa-test", limit=SMOKE_QUESTIONS)}
 
@@ -129,7 +129,7 @@ def _correct(model, processor, samples) -> int:
 def test_accuracy_smoke_check_with_a_blind_control(testbed):
     """Full-token accuracy on fixed held-out questions (docs/accuracy.md has the full splits), then the
     same questions with the projector zeroed: no visual information reaches the language model, and
-    the letters, which only the image can tell, fall to chance (8 letters)."""
+    the letters, which only the image can tell, fall to near chance (8 letters)."""
     model, processor = testbed
     sets = _smoke_sets()
     seeing = {name: _correct(model, processor, samples) for name, samples in sets.items()}

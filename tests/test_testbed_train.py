@@ -1,5 +1,5 @@
 """The testbed's training pieces: branch packing is exactly single-turn prompting, and stage 1's word
-targets are the sums of the named words' embeddings."""
+targets lay a small shape out like text, balanced over words; the projector refit is optimal."""
 
 import random
 
@@ -85,25 +85,40 @@ def test_branch_mask_hides_other_branches_and_padding():
     ]
 
 
-def test_word_targets_are_sums_of_the_named_words_embeddings(tokenizer):
+def test_word_targets_lay_a_small_shape_out_like_text(tokenizer):
     torch.manual_seed(0)
     embeddings = torch.randn(len(tokenizer), 8)
     targets = train.WordTargets(embeddings, tokenizer)
-    scene = scenes.make_scene("train", 0)
+    scene, square = next(
+        (scene, thing)
+        for scene in map(lambda i: scenes.make_scene("train", i), range(50))
+        for thing in scene.things
+        if thing.name == "square" and not thing.large
+    )
     labels = {k: v[None] for k, v in train.scene_labels(scene).items()}
-    target, named = targets(labels)
+    target = targets(labels)
 
     def row(word):
         return embeddings[tokenizer(word)["input_ids"][0]]
 
-    small = next(t for t in scene.things if t.kind == "shape" and not t.large)
-    patch = (small.box[1] // 8 + 1) * GRID + small.box[0] // 8 + 1  # inside a 2x2 or 3x3 object
-    expected = row(small.colour) + row(small.name) + row("small") + row(small.side)
-    torch.testing.assert_close(target[0, patch], expected)
-    assert named[0, patch]
+    side = (square.box[2] + 1 - square.box[0]) // 8
+    top, left = square.box[1] // 8, square.box[0] // 8
+    grid = target[0].view(GRID, GRID, -1)
+    expected = [[f" {square.colour}"] + [" square"] * (side - 1)] * (side - 1)
+    expected += [[f" {square.side}"] + [" square"] * (side - 1)]
+    for r, words in enumerate(expected):
+        for c, word in enumerate(words):
+            torch.testing.assert_close(grid[top + r, left + c], row(word))
     background = torch.nonzero(labels["size"][0] == 0).flatten()[0]
-    assert not named[0, background]
     torch.testing.assert_close(target[0, background], row(train.FILLER_WORD))
+    large = torch.nonzero(labels["size"][0] == train.SIZE_LABELS.index("large")).flatten()[0]
+    torch.testing.assert_close(target[0, large], row(f" {train.LARGE_WORD}"))
+
+
+def test_word_balance_gives_every_word_present_the_same_total():
+    words = torch.tensor([[0, 0, 0, 5], [0, 0, 5, 9]])
+    expected = torch.tensor([[1 / 15, 1 / 15, 1 / 15, 1 / 6], [1 / 15, 1 / 15, 1 / 6, 1 / 3]])
+    torch.testing.assert_close(train.word_balance(words), expected)
 
 
 def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tiny_lm):
@@ -118,12 +133,12 @@ def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tin
     }
     with torch.no_grad():
         features = train.patch_features(tower.eval(), pool["pixel_values"])
-    target, named = targets(pool["labels"])
+    target = targets(pool["labels"])
+    weight = train.word_balance(pool["labels"]["word"])
 
     def error_and_gradient() -> tuple[float, torch.Tensor]:
         projector.zero_grad()
-        error = (projector(features) - target).pow(2).sum(-1)
-        total = error[named].sum() * (~named).sum() / named.sum() + error[~named].sum()
+        total = ((projector(features) - target).pow(2).sum(-1) * weight).sum()
         total.backward()
         return float(total.detach()), projector.linear_2.weight.grad.clone()
 

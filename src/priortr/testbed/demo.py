@@ -22,7 +22,7 @@ from priortr.testbed.data import Sample, scene_samples
 from priortr.testbed.evaluate import answer, is_correct
 
 DEMO_SCENE = ("test", 7)
-# The letter: the one question kind the shipped model answers from the image (docs/accuracy.md).
+# The letter: the question kind the shipped model answers reliably (100/100, docs/accuracy.md).
 DEMO_KIND = "letter"
 
 

@@ -5,10 +5,11 @@ the 2-core CPU (bfloat16) and no accelerator was available:
 
 1. ``vision``: the CLIP tower learns, per patch, the colour, shape, size, side and letter of the object
    under it (dense labels from the scene generator; shape and colour masks for easy-VQA), and the
-   projector learns to place each patch at the sum of SmolLM2's input embeddings of those words (a
-   filler word's for background). The language model then starts out reading an image as a grid of
-   word-like tokens instead of noise, which is what makes stage 2 short enough for a CPU. Cheap: the
-   language model only supplies its embedding table.
+   projector learns to place each patch at the input embedding of one word, laid out like text
+   (``patch_words``: a small red circle on the left reads " red circle" / " left circle" row by row).
+   The language model then starts out reading an image as a grid of words whose attributes it binds
+   as it binds adjectives to nouns, instead of noise, which is what makes stage 2 short enough for a
+   CPU. Cheap: the language model only supplies its embedding table.
 2. ``align``: the projector and a rank-8 LoRA on SmolLM2's attention projections (and the tower, at a
    lower learning rate) learn to answer, end to end through the stock ``LlavaForConditionalGeneration``.
    All questions of an image share one encoded image: they are packed as branches after one 576-token
@@ -53,16 +54,23 @@ COLOUR_LABELS = ("none", *dict.fromkeys((*scenes.COLOURS, *EASY_COLOURS)))
 SIZE_LABELS = ("none", "small", "large")
 SIDE_LABELS = ("none", "left", "right")
 LETTER_LABELS = ("none", *sorted(scenes.LETTERS))
+# Stage 1's target for a patch that shows nothing, then for a large distractor's patches.
+FILLER_WORD = "."
+LARGE_WORD = "large"
+WORDS = tuple(
+    dict.fromkeys(
+        (FILLER_WORD, LARGE_WORD, *COLOUR_LABELS[1:], *SHAPE_LABELS[1:], *SIDE_LABELS[1:], *LETTER_LABELS[1:])
+    )
+)
 HEADS = {
     "colour": COLOUR_LABELS,
     "shape": SHAPE_LABELS,
     "size": SIZE_LABELS,
     "side": SIDE_LABELS,
     "letter": LETTER_LABELS,
+    "word": WORDS,
 }
 IGNORE = -100
-# Stage 1's target for a patch that shows nothing (each class label is its own word; "none" is none).
-FILLER_WORD = "."
 
 
 def pixel_values(images, processor) -> torch.Tensor:
@@ -85,9 +93,32 @@ def _patch_cover(mask: torch.Tensor) -> torch.Tensor:
     return F.avg_pool2d(mask[None, None].float(), PATCH_SIZE).flatten()
 
 
+def patch_words(owner: torch.Tensor, things: list[scenes.Thing]) -> torch.Tensor:
+    """The word each patch stands for (an index into ``WORDS``), laid out like text in token order, so
+    that SmolLM2 can bind a small object's attributes the way it binds "red circle" in a sentence: in
+    each row of two or more of a shape's patches, the first is an adjective (its side in the shape's
+    last such row, its colour in the others) and the rest are its shape word. Letter tiles are their
+    letter, large distractors ``LARGE_WORD``, background the filler. ``owner`` is the index into
+    ``things`` of the object each patch shows (-1: none), in token order."""
+    words = torch.zeros(GRID, GRID, dtype=torch.long)
+    grid = owner.view(GRID, GRID)
+    for number, thing in enumerate(things):
+        mine = grid == number
+        if thing.large or thing.kind == "letter":
+            words[mine] = WORDS.index(LARGE_WORD if thing.large else thing.name)
+            continue
+        words[mine] = WORDS.index(thing.name)
+        rows = [row for row in range(GRID) if mine[row].sum() > 1]
+        for row in rows:
+            first = torch.nonzero(mine[row]).flatten()[0]
+            words[row, first] = WORDS.index(thing.side if row == rows[-1] else thing.colour)
+    return words.flatten()
+
+
 def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
-    """Per-patch labels of the object covering the most of a patch (at least 15%). Only ``size`` and
-    ``side`` label background patches ("none"): the attribute heads learn from object patches alone, so
+    """Per-patch labels of the object covering the most of a patch (at least 15%), and the patch's word
+    (``patch_words``). Only ``size``, ``side`` and ``word`` label background patches ("none", the filler
+    word): the attribute heads learn from object patches alone, so
     that the few patches of a small object are not outweighed by the background. A large shape's colour
     is not labelled (its stripes make it two colours; no question asks it)."""
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
@@ -95,7 +126,9 @@ def scene_labels(scene: scenes.Scene) -> dict[str, torch.Tensor]:
     labels["side"].zero_()
     cover = torch.stack([_patch_cover(_pixels(scenes.thing_mask(t))[..., 0] / 255) for t in scene.things])
     best, owner = cover.max(0)
-    for patch in torch.nonzero(best >= 0.15).flatten().tolist():
+    owner = torch.where(best >= 0.15, owner, -1)
+    labels["word"] = patch_words(owner, scene.things)
+    for patch in torch.nonzero(owner >= 0).flatten().tolist():
         thing = scene.things[owner[patch]]
         labels["side"][patch] = SIDE_LABELS.index(thing.side)
         labels["size"][patch] = SIZE_LABELS.index("large" if thing.large else "small")
@@ -129,13 +162,16 @@ def easy_vqa_attributes(image) -> tuple[str, str]:
 
 
 def easy_vqa_labels(image) -> dict[str, torch.Tensor]:
-    """The shape's patches carry its shape and colour."""
+    """The shape's patches carry its shape and colour, and the words of ``patch_words``."""
     _, far = _foreground(image.resize((IMAGE_SIZE, IMAGE_SIZE)))
     on = _patch_cover(far) >= 0.15
     shape, colour = easy_vqa_attributes(image)
+    rows, cols = torch.nonzero(far, as_tuple=True)
+    box = (cols.min().item(), rows.min().item(), cols.max().item(), rows.max().item())
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
     labels["shape"] = torch.where(on, SHAPE_LABELS.index(shape), IGNORE)
     labels["colour"] = torch.where(on, COLOUR_LABELS.index(colour), IGNORE)
+    labels["word"] = patch_words(torch.where(on, 0, -1), [scenes.Thing("shape", shape, colour, box)])
     return labels
 
 
@@ -168,52 +204,47 @@ class DenseHeads(nn.Module):
         self.heads = nn.ModuleDict({name: nn.Linear(hidden, len(table)) for name, table in HEADS.items()})
 
     def forward(self, features: torch.Tensor, labels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
+        losses = {
             name: F.cross_entropy(head(features).flatten(0, 1), labels[name].flatten(), ignore_index=IGNORE)
             for name, head in self.heads.items()
+            if name != "word"
         }
+        words = labels["word"].flatten()
+        each = F.cross_entropy(self.heads["word"](features).flatten(0, 1), words, reduction="none")
+        losses["word"] = (each * word_balance(words)).sum()
+        return losses
 
 
 class WordTargets(nn.Module):
-    """Per-patch targets for the projector: the sum of the input embeddings of the words a patch's
-    labels name (the first token of each word, the one an answer starts with), or the filler word's
-    embedding where no label names anything (background)."""
+    """Per-patch targets for the projector: the input embedding of the word ``patch_words`` assigns a
+    patch, as it starts a word inside a sentence (with its leading space; the filler without)."""
 
     def __init__(self, embeddings: torch.Tensor, tokenizer) -> None:
         super().__init__()
-
-        def row(word: str | None) -> torch.Tensor:
-            if word is None:
-                return torch.zeros(embeddings.shape[1])
-            return embeddings[tokenizer(word)["input_ids"][0]].detach().float()
-
-        for name, table in HEADS.items():
-            self.register_buffer(
-                name, torch.stack([row(None if label == "none" else label) for label in table])
-            )
-        self.register_buffer("filler", row(FILLER_WORD))
+        ids = [tokenizer(word if word == FILLER_WORD else f" {word}")["input_ids"][0] for word in WORDS]
+        self.register_buffer("table", embeddings.detach().float()[ids])
         self.scale = float(embeddings.detach().float().pow(2).mean())
 
-    def forward(self, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Targets ``(batch, patches, hidden)`` and which patches name something."""
-        total = torch.zeros((*labels["size"].shape, self.filler.shape[0]))
-        named = torch.zeros((*labels["size"].shape, 1), dtype=torch.bool)
-        for name in HEADS:
-            label = labels[name]
-            keep = (label > 0)[..., None]
-            total = total + getattr(self, name)[label.clamp(min=0)] * keep
-            named = named | keep
-        return torch.where(named, total, self.filler), named[..., 0]
+    def forward(self, labels: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Targets ``(batch, patches, hidden)``."""
+        return self.table[labels["word"]]
+
+
+def word_balance(words: torch.Tensor) -> torch.Tensor:
+    """Per-patch weights summing to 1 that give every word present the same total: a small shape's
+    one colour patch per row counts as much as the hundreds of filler and distractor patches."""
+    flat = words.flatten()
+    _, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+    return (1.0 / (counts[inverse] * len(counts))).view(words.shape)
 
 
 def word_loss(
-    projected: torch.Tensor, target: torch.Tensor, named: torch.Tensor, scale: float
+    projected: torch.Tensor, target: torch.Tensor, words: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Mean squared error in units of the embedding table's mean square, averaged separately over
-    named and background patches (the few object patches would otherwise not count)."""
+    """Mean squared error in units of the embedding table's mean square, balanced over words
+    (``word_balance``)."""
     error = (projected.float() - target).pow(2).mean(-1) / scale
-    background = ~named
-    return error[named].mean() + error[background].mean()
+    return (error * word_balance(words)).sum()
 
 
 def vision_parts(tokenizer, language_model):
@@ -231,7 +262,7 @@ def vision_parts(tokenizer, language_model):
 def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes: int, per_source: int = 200):
     """Solve the projector's output layer for the word targets in closed form (weighted ridge
     regression on the hidden layer, over ``per_source`` random scenes and as many easy-VQA images),
-    with named patches weighted up to the background's total. A few minutes of SGD leave the output
+    balanced over words (``word_balance``). A few minutes of SGD leave the output
     layer far from this optimum, and the language model reads exactly this layer."""
     generator = torch.Generator().manual_seed(1)
     n = pool["pixel_values"].shape[0]
@@ -241,17 +272,14 @@ def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes
             n_scenes + torch.randperm(n - n_scenes, generator=generator)[:per_source],
         ]
     )
-    hidden, wanted, named = [], [], []
+    hidden, wanted = [], []
     for chunk in picked.split(40):
         features = patch_features(tower, pool["pixel_values"][chunk].float())
-        target, is_named = targets({k: v[chunk] for k, v in pool["labels"].items()})
         hidden.append(projector.act(projector.linear_1(features)).flatten(0, 1))
-        wanted.append(target.flatten(0, 1))
-        named.append(is_named.flatten())
+        wanted.append(targets({"word": pool["labels"]["word"][chunk]}).flatten(0, 1))
     inputs = torch.cat(hidden).double()
     inputs = torch.cat([inputs, torch.ones(len(inputs), 1, dtype=torch.double)], 1)
-    is_named = torch.cat(named)
-    weight = torch.where(is_named, (~is_named).sum() / is_named.sum(), 1.0).double()[:, None]
+    weight = (word_balance(pool["labels"]["word"][picked]).flatten() * len(inputs)).double()[:, None]
     gram = inputs.T @ (inputs * weight) + 1e-3 * len(inputs) * torch.eye(inputs.shape[1], dtype=torch.double)
     solution = torch.linalg.solve(gram, inputs.T @ (torch.cat(wanted).double() * weight))
     projector.linear_2.weight.copy_(solution[:-1].T)
@@ -283,8 +311,7 @@ def train_vision(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             features = patch_features(tower, pool["pixel_values"][idx].float())
             losses = heads(features.float(), labels)
-            target, named = targets(labels)
-            losses["words"] = word_loss(projector(features), target, named, targets.scale)
+            losses["words"] = word_loss(projector(features), targets(labels), labels["word"], targets.scale)
         loss = sum(losses.values())
         optimiser.zero_grad()
         loss.backward()
