@@ -96,7 +96,7 @@ def test_word_targets_lay_a_small_shape_out_like_text(tokenizer):
         if thing.name == "square" and not thing.large
     )
     labels = {k: v[None] for k, v in train.scene_labels(scene).items()}
-    target = targets(labels)
+    target = targets(labels["word"])
 
     def row(word):
         return embeddings[tokenizer(word)["input_ids"][0]]
@@ -133,7 +133,7 @@ def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tin
     }
     with torch.no_grad():
         features = train.patch_features(tower.eval(), pool["pixel_values"])
-    target = targets(pool["labels"])
+    target = targets(pool["labels"]["word"])
     weight = train.word_balance(pool["labels"]["word"])
 
     def error_and_gradient() -> tuple[float, torch.Tensor]:

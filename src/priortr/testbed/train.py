@@ -147,14 +147,20 @@ def _foreground(image) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, (pixels - pixels[0, 0]).abs().sum(-1) > 60
 
 
+def _box(mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """The inclusive pixel box (x0, y0, x1, y1) of a (height, width) boolean mask."""
+    rows, cols = torch.nonzero(mask, as_tuple=True)
+    return cols.min().item(), rows.min().item(), cols.max().item(), rows.max().item()
+
+
 def easy_vqa_attributes(image) -> tuple[str, str]:
     """The shape and colour easy-VQA drew: the colour is the nearest of its eight exact RGB values to
     the shape's median pixel, the shape follows from how much of its bounding box it fills (rectangle
     1, circle ~0.79, triangle ~0.5). Read from pixels because the questions do not always name them
     (agrees with every shape and colour answer of the first 400 train and 400 test images)."""
     pixels, far = _foreground(image)
-    rows, cols = torch.nonzero(far, as_tuple=True)
-    fill = far.sum() / ((rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1))
+    x0, y0, x1, y1 = _box(far)
+    fill = far.sum() / ((x1 - x0 + 1) * (y1 - y0 + 1))
     median = pixels[far].median(0).values
     colour = min(EASY_COLOURS, key=lambda c: (torch.tensor(EASY_RGB[c]) - median).abs().sum().item())
     shape = "rectangle" if fill > 0.9 else "circle" if fill > 0.72 else "triangle"
@@ -166,12 +172,10 @@ def easy_vqa_labels(image) -> dict[str, torch.Tensor]:
     _, far = _foreground(image.resize((IMAGE_SIZE, IMAGE_SIZE)))
     on = _patch_cover(far) >= 0.15
     shape, colour = easy_vqa_attributes(image)
-    rows, cols = torch.nonzero(far, as_tuple=True)
-    box = (cols.min().item(), rows.min().item(), cols.max().item(), rows.max().item())
     labels = {name: torch.full((GRID * GRID,), IGNORE, dtype=torch.long) for name in HEADS}
     labels["shape"] = torch.where(on, SHAPE_LABELS.index(shape), IGNORE)
     labels["colour"] = torch.where(on, COLOUR_LABELS.index(colour), IGNORE)
-    labels["word"] = patch_words(torch.where(on, 0, -1), [scenes.Thing("shape", shape, colour, box)])
+    labels["word"] = patch_words(torch.where(on, 0, -1), [scenes.Thing("shape", shape, colour, _box(far))])
     return labels
 
 
@@ -225,9 +229,9 @@ class WordTargets(nn.Module):
         self.register_buffer("table", embeddings.detach().float()[ids])
         self.scale = float(embeddings.detach().float().pow(2).mean())
 
-    def forward(self, labels: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Targets ``(batch, patches, hidden)``."""
-        return self.table[labels["word"]]
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        """Targets ``(batch, patches, hidden)`` for word labels ``(batch, patches)``."""
+        return self.table[words]
 
 
 def word_balance(words: torch.Tensor) -> torch.Tensor:
@@ -272,16 +276,16 @@ def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes
             n_scenes + torch.randperm(n - n_scenes, generator=generator)[:per_source],
         ]
     )
-    hidden, wanted = [], []
+    hidden = []
     for chunk in picked.split(40):
         features = patch_features(tower, pool["pixel_values"][chunk].float())
         hidden.append(projector.act(projector.linear_1(features)).flatten(0, 1))
-        wanted.append(targets({"word": pool["labels"]["word"][chunk]}).flatten(0, 1))
+    words = pool["labels"]["word"][picked].flatten()
     inputs = torch.cat(hidden).double()
     inputs = torch.cat([inputs, torch.ones(len(inputs), 1, dtype=torch.double)], 1)
-    weight = (word_balance(pool["labels"]["word"][picked]).flatten() * len(inputs)).double()[:, None]
+    weight = (word_balance(words) * len(inputs)).double()[:, None]
     gram = inputs.T @ (inputs * weight) + 1e-3 * len(inputs) * torch.eye(inputs.shape[1], dtype=torch.double)
-    solution = torch.linalg.solve(gram, inputs.T @ (torch.cat(wanted).double() * weight))
+    solution = torch.linalg.solve(gram, inputs.T @ (targets(words).double() * weight))
     projector.linear_2.weight.copy_(solution[:-1].T)
     projector.linear_2.bias.copy_(solution[-1])
 
@@ -311,7 +315,8 @@ def train_vision(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             features = patch_features(tower, pool["pixel_values"][idx].float())
             losses = heads(features.float(), labels)
-            losses["words"] = word_loss(projector(features), targets(labels), labels["word"], targets.scale)
+            words = labels["word"]
+            losses["words"] = word_loss(projector(features), targets(words), words, targets.scale)
         loss = sum(losses.values())
         optimiser.zero_grad()
         loss.backward()
