@@ -110,15 +110,23 @@ def test_demo_and_eval_commands(checkpoint, tmp_path, monkeypatch, capsys):
 
 
 SMOKE_QUESTIONS = 24
-# Measured on the shipped weights (float32, CPU): letters 24/24 seeing, 7/24 blind; easy-VQA 19/24.
-LETTERS_FLOOR, BLIND_LETTERS_CEILING, EASY_FLOOR = 22, 10, 17
+# Measured on the shipped weights (float32, CPU): seeing, letters 24/24, named 23/24, easy-VQA 24/24;
+# blind, letters 0/24, named 5/24 (chance about 3 and 5).
+FLOORS = {"letters": 22, "named": 21, "easy-vqa": 22}
+BLIND_CEILINGS = {"letters": 8, "named": 11}
 
 
 def _smoke_sets() -> dict[str, list[data.Sample]]:
-    """Letter questions (the kind the shipped model answers reliably: 100/100 on scenes-test) and a
-    fixed easy-VQA subset."""
-    letters = [s for s in data.load_split("scenes-test") if s.kind == "letter"][:SMOKE_QUESTIONS]
-    return {"letters": letters, "easy-vqa": data.load_split("easy-vqa-test", limit=SMOKE_QUESTIONS)}
+    """Letter questions, questions that name a small shape by its shape or colour and ask the other
+    (half each), and a fixed easy-VQA subset, all held out."""
+    scenes = data.load_split("scenes-test")
+    half = SMOKE_QUESTIONS // 2
+    named = [s for s in scenes if s.kind == "colour"][:half] + [s for s in scenes if s.kind == "shape"][:half]
+    return {
+        "letters": [s for s in scenes if s.kind == "letter"][:SMOKE_QUESTIONS],
+        "named": named,
+        "easy-vqa": data.load_split("easy-vqa-test", limit=SMOKE_QUESTIONS),
+    }
 
 
 def _correct(model, processor, samples) -> int:
@@ -129,7 +137,8 @@ def _correct(model, processor, samples) -> int:
 def test_accuracy_smoke_check_with_a_blind_control(testbed):
     """Full-token accuracy on fixed held-out questions (docs/accuracy.md has the full splits), then the
     same questions with the projector zeroed: no visual information reaches the language model, and
-    the letters, which only the image can tell, fall to near chance (8 letters)."""
+    the letters and the named shapes' attributes, which only the image can tell, fall to near chance
+    (8 letters; 7 colours and 4 shapes)."""
     model, processor = testbed
     sets = _smoke_sets()
     seeing = {name: _correct(model, processor, samples) for name, samples in sets.items()}
@@ -139,8 +148,8 @@ def test_accuracy_smoke_check_with_a_blind_control(testbed):
         with torch.no_grad():
             projector.weight.zero_()
             projector.bias.zero_()
-        blind = _correct(model, processor, sets["letters"])
+        blind = {name: _correct(model, processor, sets[name]) for name in BLIND_CEILINGS}
     finally:
         projector.load_state_dict(saved)
-    assert seeing["letters"] >= LETTERS_FLOOR and seeing["easy-vqa"] >= EASY_FLOOR, seeing
-    assert blind <= BLIND_LETTERS_CEILING, blind
+    assert all(seeing[name] >= floor for name, floor in FLOORS.items()), seeing
+    assert all(blind[name] <= ceiling for name, ceiling in BLIND_CEILINGS.items()), blind

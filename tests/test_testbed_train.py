@@ -1,5 +1,6 @@
 """The testbed's training pieces: branch packing is exactly single-turn prompting, and stage 1's word
-targets lay a small shape out like text, balanced over words; the projector refit is optimal."""
+targets lay a small shape out like text, balanced over words; the projector refit is optimal; batches
+mix the two sources as asked."""
 
 import random
 
@@ -147,3 +148,21 @@ def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tin
     after, refit = error_and_gradient()
     assert after < before
     assert refit.norm() < 0.05 * initial.norm()
+
+
+@pytest.mark.parametrize(("share", "scenes_wanted"), [(0.0, 0), (0.75, 6), (1.0, 8)])
+def test_pick_images_draws_the_scene_share_from_the_scenes(share, scenes_wanted):
+    picked = train.pick_images(10, 30, 8, share, random.Random(0))
+    assert len(picked) == 8
+    assert sum(i < 10 for i in picked) == scenes_wanted
+    assert all(0 <= i < 30 for i in picked)
+    assert picked == train.pick_images(10, 30, 8, share, random.Random(0))
+
+
+@pytest.mark.parametrize(
+    "extra", [["--scene-share", "1.5"], ["--resume", "a.safetensors", "--adapter", "b.safetensors"]]
+)
+def test_training_rejects_contradictory_options(tmp_path, extra, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--out", str(tmp_path), "--stage", "align", *extra])
+    assert "give" in capsys.readouterr().err

@@ -290,27 +290,34 @@ def refit_projector(tower, projector, targets: WordTargets, pool: dict, n_scenes
     projector.linear_2.bias.copy_(solution[-1])
 
 
-def train_vision(
-    pool: dict, steps: int, batch: int, lr: float, log, n_scenes: int, init: Path | None = None
-) -> dict:
+def pick_images(n_scenes: int, n: int, count: int, scene_share: float, rng: random.Random) -> list[int]:
+    """``count`` pool indices, ``round(count * scene_share)`` of them scenes (the pool's first
+    ``n_scenes`` images) and the rest easy-VQA images, each drawn uniformly within its source."""
+    scenes_wanted = round(count * scene_share)
+    return [rng.randrange(n_scenes) for _ in range(scenes_wanted)] + [
+        rng.randrange(n_scenes, n) for _ in range(count - scenes_wanted)
+    ]
+
+
+def train_vision(pool: dict, args, log) -> dict:
     from priortr.testbed import assemble
 
     language_model, tokenizer = assemble.smollm2()
     tower, projector, targets = vision_parts(tokenizer, language_model)
     del language_model
-    if init is not None:
-        state = torch.load(init)
+    if args.init is not None:
+        state = torch.load(args.init)
         tower.load_state_dict(state["tower"])
         projector.load_state_dict(state["projector"])
     heads = DenseHeads(tower.config.hidden_size)
     params = [*tower.parameters(), *projector.parameters(), *heads.parameters()]
-    optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, lr, total_steps=steps, pct_start=0.05)
+    optimiser = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=args.steps, pct_start=0.05)
     n = pool["pixel_values"].shape[0]
-    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(args.seed)
     start = time.time()
-    for step in range(steps):
-        idx = torch.randint(n, (batch,), generator=generator)
+    for step in range(args.steps):
+        idx = pick_images(args.scenes, n, args.batch, args.scene_share, rng)
         labels = {k: v[idx] for k, v in pool["labels"].items()}
         with torch.autocast("cpu", dtype=torch.bfloat16):
             features = patch_features(tower, pool["pixel_values"][idx].float())
@@ -323,7 +330,7 @@ def train_vision(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimiser.step()
         schedule.step()
-        if step % 25 == 0 or step == steps - 1:
+        if step % 25 == 0 or step == args.steps - 1:
             log(
                 {
                     "stage": "vision",
@@ -333,7 +340,7 @@ def train_vision(
                     **{k: round(v.item(), 4) for k, v in losses.items()},
                 }
             )
-    refit_projector(tower.eval(), projector, targets, pool, n_scenes)
+    refit_projector(tower.eval(), projector, targets, pool, args.scenes)
     return {"tower": tower.state_dict(), "projector": projector.state_dict()}
 
 
@@ -433,6 +440,8 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
         model.model.vision_tower.load_state_dict(parts["vision_tower"])
         model.model.multi_modal_projector.load_state_dict(parts["projector"])
         lora.load(model.model.language_model, parts["lora"])
+    elif args.adapter is not None:
+        lora.load(model.model.language_model, assemble.read_trained(args.adapter)[0]["lora"])
     tower = list(model.model.vision_tower.parameters())
     groups = [{"params": params, "lr": args.lr}, {"params": tower, "lr": args.lr * args.tower_lr_scale}]
     optimiser = torch.optim.AdamW(groups, weight_decay=0.0)
@@ -440,14 +449,10 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, peaks, total_steps=args.steps, pct_start=0.05)
     params = params + tower
     rng = random.Random(args.seed)
-    n_scenes = args.scenes
     n = pool["pixel_values"].shape[0]
     start = time.time()
     for step in range(args.steps):
-        # Half scenes, half easy-VQA images.
-        idx = [
-            rng.randrange(n_scenes) if i % 2 == 0 else rng.randrange(n_scenes, n) for i in range(args.batch)
-        ]
+        idx = pick_images(args.scenes, n, args.batch, args.scene_share, rng)
         batch = collate(
             [branches(pool["questions"][i], tokenizer, rng, args.questions) for i in idx],
             tokenizer.pad_token_id or 0,
@@ -530,8 +535,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--init", type=Path, help="vision: continue from this stage-1 state (a vision.pt)")
     parser.add_argument("--resume", type=Path, help="align: start from this testbed.safetensors")
+    parser.add_argument(
+        "--adapter",
+        type=Path,
+        help="align: start the LoRA from this testbed.safetensors (tower and projector from vision.pt)",
+    )
+    parser.add_argument(
+        "--scene-share", type=float, default=0.5, help="the fraction of each batch drawn from the scenes"
+    )
     parser.add_argument("--vision-steps", type=int, default=0, help="recorded in the metadata")
     args = parser.parse_args(argv)
+    if not 0 <= args.scene_share <= 1:
+        parser.error("--scene-share is a fraction of the batch: give a number from 0 to 1")
+    if args.resume is not None and args.adapter is not None:
+        parser.error("--resume already restores the adapter: give --resume or --adapter, not both")
     if args.stage == "plot":
         print(plot_curves(sorted(args.out.glob("log*.jsonl")), args.out / "curves.png"))
         return
@@ -556,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(pool, pool_file)
     log({"pool_images": pool["pixel_values"].shape[0]})
     if args.stage == "vision":
-        state = train_vision(pool, args.steps, args.batch, args.lr, log, args.scenes, args.init)
+        state = train_vision(pool, args, log)
         torch.save(state, args.out / "vision.pt")
     else:
         train_align(pool, torch.load(args.out / "vision.pt"), args, log)
