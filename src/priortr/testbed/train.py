@@ -434,14 +434,14 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
 
     model, tokenizer, params = align_model(vision_state, args.rank, args.alpha)
     done_before = 0
+    source = args.resume or args.adapter
+    if source is not None:
+        parts, metadata = assemble.read_trained(source)
+        lora.load(model.model.language_model, parts["lora"])
     if args.resume is not None:
-        parts, metadata = assemble.read_trained(args.resume)
         done_before = int(metadata["align_steps"])
         model.model.vision_tower.load_state_dict(parts["vision_tower"])
         model.model.multi_modal_projector.load_state_dict(parts["projector"])
-        lora.load(model.model.language_model, parts["lora"])
-    elif args.adapter is not None:
-        lora.load(model.model.language_model, assemble.read_trained(args.adapter)[0]["lora"])
     tower = list(model.model.vision_tower.parameters())
     groups = [{"params": params, "lr": args.lr}, {"params": tower, "lr": args.lr * args.tower_lr_scale}]
     optimiser = torch.optim.AdamW(groups, weight_decay=0.0)
