@@ -2,6 +2,7 @@
 targets lay a small shape out like text, balanced over words; the projector refit is optimal; batches
 mix the two sources as asked."""
 
+import math
 import random
 
 import pytest
@@ -120,6 +121,40 @@ def test_word_balance_gives_every_word_present_the_same_total():
     words = torch.tensor([[0, 0, 0, 5], [0, 0, 5, 9]])
     expected = torch.tensor([[1 / 15, 1 / 15, 1 / 15, 1 / 6], [1 / 15, 1 / 15, 1 / 6, 1 / 3]])
     torch.testing.assert_close(train.word_balance(words), expected)
+
+
+def test_word_contrast_by_hand():
+    """Two words one unit apart (scale 1, so a distance of 1/2 in word_loss's units): a patch on its own
+    word pays log(1 + e^-10), one halfway pays log 2, each weighted one half (word_balance)."""
+    table = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    projected = torch.tensor([[[0.0, 0.0], [0.5, 0.0]]])
+    words = torch.tensor([[0, 1]])
+    expected = 0.5 * math.log1p(math.exp(-1 / (2 * train.WORD_TEMPERATURE))) + 0.5 * math.log(2)
+    assert train.word_contrast(projected, table, words, 1.0).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_word_contrast_separates_close_words_that_the_squared_error_barely_does():
+    """Negative control for its purpose: moving a patch from its own word to halfway towards a near
+    neighbour costs word_loss a quarter of their squared distance, but word_contrast about log 2."""
+    table = torch.tensor([[1.0, 0.0], [1.0, 0.6], [-1.0, 0.0]])
+    words = torch.tensor([[0]])
+    on, halfway = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 0.3]]])
+    squared = [train.word_loss(p, table[words], words, 1.0).item() for p in (on, halfway)]
+    contrast = [train.word_contrast(p, table, words, 1.0).item() for p in (on, halfway)]
+    assert squared[1] - squared[0] == pytest.approx(0.09 / 2)
+    assert contrast[1] - contrast[0] > 0.6
+
+
+def test_load_vision_reads_a_trained_files_tower_and_projector(tokenizer, tiny_lm, tmp_path):
+    model = assemble.llava(tiny_lm, tokenizer)
+    path = tmp_path / "trained.safetensors"
+    assemble.save_trained(path, model, {}, {"align_steps": 0})
+    state = train.load_vision(path)
+    for name, part in (("tower", model.model.vision_tower), ("projector", model.model.multi_modal_projector)):
+        expected = {k: v.to(torch.float16).float() for k, v in part.state_dict().items()}
+        assert state[name].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(state[name][key], value)
 
 
 def test_refit_projector_finds_the_weighted_least_squares_optimum(tokenizer, tiny_lm):

@@ -11,7 +11,8 @@ the 2-core CPU (bfloat16) and no accelerator was available:
    as it binds adjectives to nouns, instead of noise, which is what makes stage 2 short enough for a
    CPU. Cheap: the language model only supplies its embedding table.
 2. ``align``: the projector and a rank-8 LoRA on SmolLM2's attention projections (and the tower, at a
-   lower learning rate) learn to answer, end to end through the stock ``LlavaForConditionalGeneration``.
+   lower learning rate; ``--projector-lr-scale`` slows the projector too) learn to answer, end to end
+   through the stock ``LlavaForConditionalGeneration``.
    All questions of an image share one encoded image: they are packed as branches after one 576-token
    prefix, each branch attending to the prefix and itself only (a 4D mask, positions restarting after
    the prefix), so every branch sees exactly the single-turn prompt that evaluation uses.
@@ -71,6 +72,9 @@ HEADS = {
     "word": WORDS,
 }
 IGNORE = -100
+# Softmax temperature of ``word_contrast``, in ``word_loss``'s units, in which the two closest word
+# targets (" green" and " blue") lie 0.32 apart and " left" and " right" 0.72.
+WORD_TEMPERATURE = 0.05
 
 
 def pixel_values(images, processor) -> torch.Tensor:
@@ -251,6 +255,32 @@ def word_loss(
     return (error * word_balance(words)).sum()
 
 
+def word_contrast(
+    projected: torch.Tensor, table: torch.Tensor, words: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Cross-entropy of each patch's word against every other word, with logits minus its squared
+    distance to each word's target (``word_loss``'s units) over ``WORD_TEMPERATURE``, balanced over
+    words. The squared error charges little for drifting towards a close neighbour (halfway costs a
+    quarter of their distance), while the language model reads the nearest word; this term keeps each
+    patch nearest its own. Used when stage 1 restarts from an aligned model's projector, which
+    alignment had moved off the word targets (docs/accuracy.md, step 5)."""
+    distance = torch.cdist(projected.float(), table.expand(len(projected), -1, -1)).pow(2)
+    logits = -distance / (table.shape[-1] * scale * WORD_TEMPERATURE)
+    each = F.cross_entropy(logits.flatten(0, 1), words.flatten(), reduction="none")
+    return (each * word_balance(words).flatten()).sum()
+
+
+def load_vision(path: Path) -> dict:
+    """A stage-1 state: a ``vision.pt``, or the tower and projector of a trained testbed file (to
+    continue stage 1 from an aligned model, whose adapter already reads that projector's words)."""
+    from priortr.testbed import assemble
+
+    if path.suffix == ".safetensors":
+        parts, _ = assemble.read_trained(path)
+        return {"tower": parts["vision_tower"], "projector": parts["projector"]}
+    return torch.load(path)
+
+
 def vision_parts(tokenizer, language_model):
     """A fresh tower and LLaVA projector of the testbed's shape, and the word targets."""
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -306,7 +336,7 @@ def train_vision(pool: dict, args, log) -> dict:
     tower, projector, targets = vision_parts(tokenizer, language_model)
     del language_model
     if args.init is not None:
-        state = torch.load(args.init)
+        state = load_vision(args.init)
         tower.load_state_dict(state["tower"])
         projector.load_state_dict(state["projector"])
     heads = DenseHeads(tower.config.hidden_size)
@@ -323,7 +353,11 @@ def train_vision(pool: dict, args, log) -> dict:
             features = patch_features(tower, pool["pixel_values"][idx].float())
             losses = heads(features.float(), labels)
             words = labels["word"]
-            losses["words"] = word_loss(projector(features), targets(words), words, targets.scale)
+            projected = projector(features)
+            losses["words"] = word_loss(projected, targets(words), words, targets.scale)
+            if args.word_contrast:
+                contrast = word_contrast(projected, targets.table, words, targets.scale)
+                losses["contrast"] = args.word_contrast * contrast
         loss = sum(losses.values())
         optimiser.zero_grad()
         loss.backward()
@@ -394,7 +428,7 @@ def align_model(vision_state: dict, rank: int, alpha: float):
     model.model.multi_modal_projector.requires_grad_(True)
     model.model.vision_tower.requires_grad_(True)
     adapters = lora.add(model.model.language_model, rank, alpha)
-    return model, tokenizer, [*model.model.multi_modal_projector.parameters(), *adapters]
+    return model, tokenizer, adapters
 
 
 def align_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,7 +466,7 @@ def collate(
 def train_align(pool: dict, vision_state: dict, args, log) -> None:
     from priortr.testbed import assemble, lora
 
-    model, tokenizer, params = align_model(vision_state, args.rank, args.alpha)
+    model, tokenizer, adapters = align_model(vision_state, args.rank, args.alpha)
     done_before = 0
     source = args.resume or args.adapter
     if source is not None:
@@ -442,12 +476,15 @@ def train_align(pool: dict, vision_state: dict, args, log) -> None:
         done_before = int(metadata["align_steps"])
         model.model.vision_tower.load_state_dict(parts["vision_tower"])
         model.model.multi_modal_projector.load_state_dict(parts["projector"])
-    tower = list(model.model.vision_tower.parameters())
-    groups = [{"params": params, "lr": args.lr}, {"params": tower, "lr": args.lr * args.tower_lr_scale}]
-    optimiser = torch.optim.AdamW(groups, weight_decay=0.0)
-    peaks = [args.lr, args.lr * args.tower_lr_scale]
+    groups = [
+        (list(adapters), args.lr),
+        (list(model.model.multi_modal_projector.parameters()), args.lr * args.projector_lr_scale),
+        (list(model.model.vision_tower.parameters()), args.lr * args.tower_lr_scale),
+    ]
+    optimiser = torch.optim.AdamW([{"params": p, "lr": lr} for p, lr in groups], weight_decay=0.0)
+    peaks = [lr for _, lr in groups]
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, peaks, total_steps=args.steps, pct_start=0.05)
-    params = params + tower
+    params = [p for group, _ in groups for p in group]
     rng = random.Random(args.seed)
     n = pool["pixel_values"].shape[0]
     start = time.time()
@@ -533,7 +570,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tower-lr-scale", type=float, default=0.3, help="align: the tower's learning rate factor"
     )
-    parser.add_argument("--init", type=Path, help="vision: continue from this stage-1 state (a vision.pt)")
+    parser.add_argument(
+        "--projector-lr-scale",
+        type=float,
+        default=1.0,
+        help="align: the projector's learning rate factor (below 1 keeps stage 1's words)",
+    )
+    parser.add_argument(
+        "--init",
+        type=Path,
+        help="vision: continue from this stage-1 state (a vision.pt, or a trained file's tower, projector)",
+    )
+    parser.add_argument(
+        "--word-contrast", type=float, default=0.0, help="vision: the weight of word_contrast's loss"
+    )
     parser.add_argument("--resume", type=Path, help="align: start from this testbed.safetensors")
     parser.add_argument(
         "--adapter",
