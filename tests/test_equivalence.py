@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import priortr
-from priortr.engine import PruningEngine
+from priortr.engine.prefill import Prefill
 from tests.families import FAMILIES, setup
 from tests.oracle import masked_reference
 from tests.pruned import kept_rows
@@ -185,24 +185,24 @@ def test_negative_controls_are_caught(family, monkeypatch):
         ref = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     torch.testing.assert_close(torch.stack(good.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
 
-    original = PruningEngine._gather_layer_inputs
+    original = Prefill._gather_layer_inputs
 
-    def renumbered(self, prefill, kwargs):
+    def renumbered(self, kwargs):
         """Negative control: layers after L get positions 0..S'-1 instead of the kept tokens' own."""
         full = kwargs["position_embeddings"]
-        original(self, prefill, kwargs)
+        original(self, kwargs)
         if full[0].shape[1] == batch.seq_len:
             n = kwargs["position_embeddings"][0].shape[1]
             kwargs["position_embeddings"] = (full[0][:, :n], full[1][:, :n])
 
     with monkeypatch.context() as patch:
-        patch.setattr(PruningEngine, "_gather_layer_inputs", renumbered)
+        patch.setattr(Prefill, "_gather_layer_inputs", renumbered)
         with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
             bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6
 
     with monkeypatch.context() as patch:
-        patch.setattr("priortr.engine.compact_cache_layer", lambda layer, index, seq, static: None)
+        patch.setattr("priortr.engine.cut.compact_cache_layer", lambda layer, index, seq, static: None)
         with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
             try:
                 bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)

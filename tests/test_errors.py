@@ -112,13 +112,23 @@ def test_new_image_on_a_pruned_cache_is_refused(llava):
 
 
 def test_inputs_that_do_not_continue_the_cache_are_refused(llava):
+    """Positions are device values: a decode step checks them only under strict=True (reading them would
+    block the host on a GPU); a new turn's positions and every 2D mask's length are always checked."""
     batch = llava_batch(llava)
-    with priortr.apply(llava, budget=4), torch.no_grad():
+    with priortr.apply(llava, budget=4, strict=True), torch.no_grad():
         out = llava(**batch.kwargs(), use_cache=True)
         with pytest.raises(ValueError, match="do not continue the pruned cache"):
             llava(
                 input_ids=torch.tensor([[5]]),
                 position_ids=torch.tensor([[3]]),
+                past_key_values=out.past_key_values,
+            )
+    with priortr.apply(llava, budget=4), torch.no_grad():
+        out = llava(**batch.kwargs(), use_cache=True)
+        with pytest.raises(ValueError, match="do not continue the pruned cache"):
+            llava(
+                input_ids=torch.tensor([[5, 6]]),
+                position_ids=torch.tensor([[3, 4]]),
                 past_key_values=out.past_key_values,
             )
         mask = torch.ones(1, 5, dtype=torch.long)

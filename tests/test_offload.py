@@ -55,6 +55,10 @@ def test_offloaded_model_prunes_exactly_like_the_model_in_memory(family, method,
         results.append((logits, out, handle.last))
     (logits, out, last), (off_logits, off_out, off_last) = results
     assert last.pruned and torch.equal(last.kept, off_last.kept)
-    assert torch.equal(logits, off_logits)
     assert torch.equal(out.sequences, off_out.sequences)
-    assert torch.equal(torch.stack(out.logits), torch.stack(off_out.logits))
+    # Not bit-exact: the offloaded copy's weights are other buffers (loaded back from disk), and on some
+    # x86 CPUs (seen on AMD EPYC) the BLAS picks a kernel by buffer alignment for the pruned (shorter)
+    # shapes, so logits differ by an ulp (1.1e-16 measured in float64). 1e-12 is still ~1e4 below any
+    # difference pruning makes (the equivalence suite's controls: > 1e-6).
+    torch.testing.assert_close(logits, off_logits, atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(off_out.logits), atol=1e-12, rtol=0)

@@ -19,8 +19,15 @@ from priortr.surgery import explicit_causal_mask, gather_attention_mask, hide_ke
 PRUNABLE_CACHE_LAYERS = (DynamicLayer, StaticLayer)
 
 
-def cache_length(cache: Any) -> int:
-    return int(cache.get_seq_length())
+def cache_length(cache: Any) -> int | torch.Tensor:
+    """Tokens in the cache: an int, or for a static cache a device tensor (reading it blocks the host)."""
+    return cache.get_seq_length()
+
+
+def host_cache_length(cache: Any) -> int | None:
+    """Tokens in the cache when the host knows them without reading the device; None for static caches."""
+    length = cache.get_seq_length()
+    return length if isinstance(length, int) else None
 
 
 def cache_layers(cache: Any) -> list:
@@ -76,15 +83,15 @@ def gather_layer_mask(
     dtype: torch.dtype = torch.float32,
 ) -> Any:
     """The per-layer mask for layers after the prune (see ``surgery.gather_attention_mask``), with the
-    key columns ``hidden`` [B, S'] (padding of ragged rows) masked; ``implementation`` and ``dtype`` say
-    which kind of mask to build where the model passed none."""
+    key columns ``hidden`` [B, S'] masked (fillers of ragged rows; None when there are none);
+    ``implementation`` and ``dtype`` say which kind of mask to build where the model passed none."""
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise ValueError(
             f"priortr cannot prune with a {type(mask).__name__} attention mask (flex attention); "
             "load the model with attn_implementation='sdpa', 'eager' or 'flash_attention_2'"
         )
     mask = gather_attention_mask(mask, index, seq, static_slots)
-    if hidden is None or not bool(hidden.any()):
+    if hidden is None:
         return mask
     if mask is None:
         return explicit_causal_mask(hidden, implementation, dtype)
@@ -106,6 +113,17 @@ def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
 
 RAW_PIXEL_ARGUMENTS = ("pixel_values", "pixel_values_images", "pixel_values_videos")
 """Model arguments that carry raw images or video (``pixel_values_images``: Video-LLaVA before 5.23)."""
+
+
+def has_raw_pixels(call: dict) -> bool:
+    """Whether a model call brings raw images or video, which the vision tower encodes inside it."""
+    return any(call.get(key) is not None for key in RAW_PIXEL_ARGUMENTS)
+
+
+def has_visual_inputs(call: dict) -> bool:
+    """Whether a model call brings images (raw, or pre-encoded by ``generate()``)."""
+    encoded = call.get("mm_encoder_outputs") or {}
+    return has_raw_pixels(call) or any(value is not None for value in encoded.values())
 
 
 def rename_image_argument(model: Any, inputs: dict) -> dict:

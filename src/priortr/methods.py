@@ -20,7 +20,7 @@ from priortr.selection import Selection, StageInputs, top_k
 from priortr.selectors import diversity, merging
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "vision")
+NEEDS = ("attention", "text_rows", "vision")
 
 Selector = Callable[..., Selection]
 Schedule = Callable[[int, int, int, int], list[tuple[int, int]]]
@@ -35,8 +35,9 @@ class MethodInfo:
         name: the name ``priortr.apply`` and ``--method`` accept.
         where: ``vision``, ``layer`` or ``layers`` (see the module docstring).
         select: the selector; its keyword-only parameters are the method's knobs.
-        needs: evidence the engine must gather: ``attention`` (prior, posterior, instruction rows at
-            the scored layer) and/or ``vision`` (the vision tower's [CLS] attention and keys).
+        needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
+            layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
+            and/or ``vision`` (the vision tower's [CLS] attention and keys).
         schedule: the stages of a ``layers`` method; None runs one stage.
         summary, source: one line each for ``priortr methods`` and the README.
     """
@@ -198,7 +199,7 @@ register_method(
 register_method(
     "sparsevlm",
     where="layers",
-    needs=("attention",),
+    needs=("attention", "text_rows"),
     schedule=_sparsevlm,
     summary="attention of text raters, with pruned tokens recycled by clustering and merging",
     source="SparseVLM, Zhang et al., ICML 2025",

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from priortr.adapters.base import VisualItem
+from priortr.host import to_device
 
 MULTI_IMAGE = ("per_image", "global")
 
@@ -47,12 +48,18 @@ class Pool:
         separators = torch.tensor(self.separators, device=self.positions.device)
         return separators[self.item_of]
 
-    def keep(self, kept: torch.Tensor) -> None:
-        """Keep the surviving tokens at indices ``kept`` [k] (ascending)."""
-        kept = kept.to(self.positions.device)
-        self.positions = self.positions[kept]
-        self.item_of = self.item_of[kept]
-        self.offset = self.offset[kept]
+    def to(self, device: torch.device) -> Pool:
+        """The pool with its token tensors on ``device`` (queued copies: the host does not wait)."""
+        return replace(
+            self,
+            positions=to_device(self.positions, device),
+            item_of=to_device(self.item_of, device),
+            offset=to_device(self.offset, device),
+        )
+
+    def keep(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> None:
+        """Keep the surviving tokens, given as their positions, items and offsets (ascending)."""
+        self.positions, self.item_of, self.offset = positions, item_of, offset
 
 
 def split_count(count: int, before: int, size: int, total: int) -> int:

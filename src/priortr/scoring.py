@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from priortr.checks import value_checks
+
 EPS: float = 1e-6
 """Smoothing constant of the PriorTR score, ε = 1e-6 (Appendix, "Computing Scores")."""
 
@@ -73,11 +75,12 @@ def l1_normalise(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.float()
     total = x.sum(dim=-1, keepdim=True)  # [..., 1]
-    bad = ~(torch.isfinite(total) & (total > 0))
-    if bad.any():
-        raise ValueError(
-            f"cannot L1-normalise {int(bad.sum())} row(s) whose sum is zero, negative or not finite"
-        )
+    if value_checks():
+        bad = ~(torch.isfinite(total) & (total > 0))
+        if bad.any():
+            raise ValueError(
+                f"cannot L1-normalise {int(bad.sum())} row(s) whose sum is zero, negative or not finite"
+            )
     return x / total
 
 
@@ -121,6 +124,8 @@ def _check_evidence_inputs(
             f"posterior_valid must be a bool tensor [B, R] = {(batch, n_rows)}, "
             f"got {posterior_valid.dtype} {tuple(posterior_valid.shape)}"
         )
+    if not value_checks():
+        return
     empty = ~posterior_valid.any(dim=-1)  # [B]
     if empty.any():
         raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no valid instruction row")
@@ -328,7 +333,7 @@ def select_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     n_visual = scores.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_visual:
         raise ValueError(f"k must be an int with 1 <= k <= N = {n_visual}, got {k!r}")
-    if torch.isnan(scores).any():
+    if value_checks() and torch.isnan(scores).any():
         raise ValueError("scores contain NaN; cannot rank visual tokens")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, N]
     return order[:, :k].sort(dim=-1).values  # [B, k]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from priortr.checks import value_checks
 from priortr.scoring import Evidence, select_top_k
 
 
@@ -72,19 +73,21 @@ class Selection:
         kept = self.kept
         if kept.ndim != 2 or kept.dtype != torch.int64:
             raise ValueError(f"Selection.kept must be int64 [B, K], got {kept.dtype} {tuple(kept.shape)}")
+        merge = self.merge
+        if merge is not None and (merge.ndim != 3 or tuple(merge.shape[:2]) != tuple(kept.shape)):
+            raise ValueError(
+                f"Selection.merge must be [B, K, N] with [B, K] = {tuple(kept.shape)}, "
+                f"got {tuple(merge.shape)}"
+            )
+        if not value_checks():
+            return
         if kept.shape[1] > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
             raise ValueError("Selection.kept must be strictly ascending in every row")
-        if self.merge is not None:
-            merge = self.merge
-            if merge.ndim != 3 or tuple(merge.shape[:2]) != tuple(kept.shape):
-                raise ValueError(
-                    f"Selection.merge must be [B, K, N] with [B, K] = {tuple(kept.shape)}, "
-                    f"got {tuple(merge.shape)}"
-                )
-            if bool((merge < 0).any()) or not torch.allclose(
-                merge.sum(-1), torch.ones((), dtype=merge.dtype, device=merge.device), atol=1e-4
-            ):
-                raise ValueError("Selection.merge rows must be non-negative and sum to 1")
+        ones = torch.ones((), dtype=merge.dtype, device=merge.device) if merge is not None else None
+        if merge is not None and (
+            bool((merge < 0).any()) or not torch.allclose(merge.sum(-1), ones, atol=1e-4)
+        ):
+            raise ValueError("Selection.merge rows must be non-negative and sum to 1")
 
 
 def top_k(scores: torch.Tensor, budget: int) -> Selection:

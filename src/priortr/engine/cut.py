@@ -1,0 +1,101 @@
+"""The cut: apply one stage's decisions to the hidden states, the sequence map and the KV cache.
+
+Kept visual tokens and every text token stay, in order, with their original positions (paper
+Algorithm 1, Phase 3); the KV cache of the layers already run is compacted the same way. Every row's
+new length is known on the host (text tokens plus the budgets of its pools), so the kept columns are
+found with fixed-size tensor work, never by reading which ones survived. Rows left shorter than the
+longest keep some pruned tokens as fillers (ragged batches), masked from every query later on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from priortr import compat
+from priortr.engine.evidence import Group
+from priortr.engine.sequence import SequenceMap
+from priortr.host import to_device
+from priortr.pools import Pool
+from priortr.selection import Selection
+from priortr.surgery import compact_cache_layer, gather_sequence
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A selector's ``selection`` for ``group``, with the hidden states it saw (for merges)."""
+
+    group: Group
+    selection: Selection
+    hidden: torch.Tensor
+
+
+def cut(
+    sequence: SequenceMap,
+    text_tokens: list[int],
+    decisions: list[Decision],
+    unranked: list[Pool],
+    hidden: torch.Tensor,
+    cache: Any,
+    cached_layers: int,
+) -> torch.Tensor:
+    """Keep what ``decisions`` keep (and every token of the ``unranked`` pools), drop the other visual
+    tokens from ``hidden`` [B, S', D], ``sequence`` and the first ``cached_layers`` layers of ``cache``.
+
+    Returns the new hidden states [B, S'', D]; each decision's pools are narrowed to their survivors.
+    """
+    keep = ~sequence.visual  # [B, S'] text and padding always stay
+    lengths = list(text_tokens)
+    for decision in decisions:
+        group = decision.group
+        kept = decision.selection.kept.to(group.columns.device)  # [G, k]
+        keep[group.rows[:, None], group.columns.gather(1, kept)] = True
+        for pool in group.pools:
+            lengths[pool.row] += kept.shape[1]
+    for pool in unranked:
+        keep[pool.row, sequence.columns([pool.row], pool.positions[None])[0]] = True
+        lengths[pool.row] += pool.size
+    width = max(lengths)
+    filler = None
+    if any(length < width for length in lengths):
+        missing = to_device(torch.tensor([width - length for length in lengths]), keep.device)
+        dropped = ~keep
+        filler = dropped & (dropped.long().cumsum(dim=1) <= missing[:, None])
+        keep = keep | filler
+    index = torch.argsort(~keep, dim=1, stable=True)[:, :width]  # [B, S''] kept columns, ascending
+    out = gather_sequence(hidden, index)
+    merges = [decision for decision in decisions if decision.selection.merge is not None]
+    if merges:
+        slot = keep.long().cumsum(dim=1) - 1  # [B, S'] new column of every kept column
+        for decision in merges:
+            _merge(out, slot, decision)
+    if cache is not None and cached_layers > 0:
+        static = compat.is_static_cache(cache)
+        for layer in compat.cache_layers(cache)[:cached_layers]:
+            compact_cache_layer(layer, index, sequence.width, static)
+    sequence.keep(index, None if filler is None else filler.gather(1, index), lengths)
+    for decision in decisions:
+        _narrow(decision)
+    return out
+
+
+def _merge(out: torch.Tensor, slot: torch.Tensor, decision: Decision) -> None:
+    """Write the merged hidden states of the group's survivors into their new columns of ``out``."""
+    group, selection = decision.group, decision.selection
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    merged = torch.matmul(selection.merge.to(out.device, dtype), decision.hidden.to(out.device, dtype))
+    kept_columns = group.columns.gather(1, selection.kept.to(group.columns.device))  # [G, k]
+    rows = group.rows[:, None]
+    out[rows, slot[rows, kept_columns]] = merged.to(out.dtype)
+
+
+def _narrow(decision: Decision) -> None:
+    """Narrow the group's pools to the tokens that survived."""
+    group, kept = decision.group, decision.selection.kept.to(decision.group.positions.device)
+    positions = group.positions.gather(1, kept)
+    item_of = group.item_of.gather(1, kept.to(group.item_of.device))
+    offset = group.offset.gather(1, kept.to(group.offset.device))
+    for g, pool in enumerate(group.pools):
+        pool.keep(positions[g], item_of[g], offset[g])

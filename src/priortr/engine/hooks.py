@@ -1,0 +1,163 @@
+"""The hook wiring: how a prefill and the calls after it reach the engine's parts.
+
+One permanent pre-hook on the multimodal model sees every call. A call that continues a pruned cache
+(a decode step, a later chat turn) is adjusted by the cache's ledger (``ledger.continue_call``) and
+nothing else runs. A prefill that brings images is planned on the host (``plan.make_plan``); only then
+are hooks armed, on the decoder layers a stage needs and the projections of the layers it scores, and
+they are disarmed as soon as the model returns. Decode steps therefore run no per-layer hook at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from priortr import compat
+from priortr.adapters import FamilyAdapter
+from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.ledger import continue_call, ledger_of, write_ledger
+from priortr.engine.plan import make_plan, skip_prefill
+from priortr.engine.prefill import Prefill
+from priortr.engine.report import PrefillRecord, PruneResult
+
+
+class PruningEngine:
+    """Hooks physical visual-token pruning into one model; ``detach()`` restores it exactly."""
+
+    def __init__(self, model: nn.Module, adapter: FamilyAdapter, config: PruningConfig) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.config = config
+        self.multimodal = adapter.multimodal_model(model)
+        self.layers = adapter.decoder_layers(model)
+        self.vision = adapter.vision_probe(model) if "vision" in config.method.needs else None
+        self._parameters = tuple(inspect.signature(self.multimodal.forward).parameters)
+        self._vision_capture: dict[str, torch.Tensor] = {}
+        self._record: PrefillRecord | None = None
+        self._last: PruneResult | None = None
+        self._permanent: list[RemovableHandle] = []
+        self._armed: list[RemovableHandle] = []
+
+    @property
+    def last(self) -> PruneResult | None:
+        """What the most recent pruned prefill kept (``PruneResult``), built when first read."""
+        if self._record is not None:
+            self._last, self._record = self._record.result(), None
+        return self._last
+
+    def attach(self) -> None:
+        self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        if self.vision is not None:
+            self._permanent += [
+                self.vision.query_projection.register_forward_hook(self._capture_vision("q")),
+                self.vision.key_projection.register_forward_hook(self._capture_vision("k")),
+            ]
+
+    def detach(self) -> None:
+        self._disarm()
+        for handle in self._permanent:
+            handle.remove()
+        self._permanent = []
+        self._vision_capture = {}
+
+    def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._armed:
+            self._disarm()  # a prefill that raised left its hooks armed
+        call = dict(zip(self._parameters, args, strict=False))
+        call.update(kwargs)
+        cache = call.get("past_key_values")
+        ledger, new = ledger_of(cache), _new_tokens(call)
+        if new == 1 and (ledger is not None or not compat.has_visual_inputs(call)):  # a decode step
+            if ledger is None:
+                return None
+            continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
+            return (), call
+        empty = cache is None or compat.cache_length(cache) == 0
+        if ledger is not None:
+            if not empty:  # a later chat turn
+                continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
+                return (), call
+            write_ledger(cache, None)  # the cache was reset for a new prompt
+        if not compat.has_visual_inputs(call):
+            if empty:
+                skip_prefill(
+                    self.config, "the call brings no images, so the prompt has no image tokens to prune"
+                )
+            return None
+        if not empty:
+            return None  # images on a cache this engine did not prune: no prefill to plan
+        if compat.has_raw_pixels(call):
+            self._vision_capture = {}  # the tower runs inside this call; generate() runs it before
+        plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
+        if plan is None:
+            return None
+        vision = None if self.vision is None else (self.vision, self._vision_capture)
+        text_config = self.model.config.get_text_config()
+        implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
+        prefill = Prefill(plan, self.config, self.adapter, vision, implementation)
+        self._last = None
+        self._record = prefill.record
+        if plan.stages:
+            self._arm(prefill)
+        else:
+            prefill.finish()
+        return (), call
+
+    def _arm(self, prefill: Prefill) -> None:
+        """Hooks for this prefill only: a pre-hook on every layer from the first stage on, and the q/k
+        projections of each scored layer (attention methods)."""
+        stages = prefill.plan.stages
+        for index in range(max(stages[0], 0), len(self.layers)):
+            hook = self._before_layer(prefill, index)
+            self._armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
+        if "attention" in self.config.method.needs:
+            for index in (layer for layer in stages if layer != BEFORE_LLM):
+                attention = self.adapter.attention(self.layers[index])
+                self._armed += [
+                    self.adapter.query_projection(attention).register_forward_hook(_capture(prefill, "q")),
+                    self.adapter.key_projection(attention).register_forward_hook(_capture(prefill, "k")),
+                ]
+        self._armed.append(self.multimodal.register_forward_hook(self._on_model_return, always_call=True))
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
+
+    def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._disarm()
+        self._vision_capture = {}
+
+    @staticmethod
+    def _before_layer(prefill: Prefill, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return prefill.before_layer(index, module, args, kwargs)
+
+        return hook
+
+    def _capture_vision(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            self._vision_capture[name] = output
+
+        return hook
+
+
+def _capture(prefill: Prefill, name: str) -> Callable:
+    """Forward hook keeping a scored layer's projection output for the stage."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        prefill.captured[name] = output
+
+    return hook
+
+
+def _new_tokens(call: dict) -> int:
+    """How many new tokens a call brings (input ids or embeddings)."""
+    inputs = call.get("input_ids")
+    inputs = call.get("inputs_embeds") if inputs is None else inputs
+    return 0 if inputs is None else inputs.shape[1]

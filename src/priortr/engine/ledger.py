@@ -1,0 +1,159 @@
+"""The cache ledger: what later calls need to continue a cache whose prompt was pruned.
+
+A pruned cache holds S' of the prompt's S tokens, so the calls that follow the prefill (decode steps,
+later chat turns) must see masks and positions that match the shorter cache: generate() counts
+positions from the whole conversation and builds masks over it. The ledger is written once, at the end
+of the pruned prefill, as an attribute of the cache object itself, so it travels wherever the cache
+goes (``copy.deepcopy`` included). A decode step reads it and adjusts the call with tensor work only:
+no host sync, nothing that changes from step to step (so a compiled decode step does not recompile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from priortr import compat
+from priortr.adapters import FamilyAdapter
+
+ATTRIBUTE = "_priortr_ledger"
+TOKEN_ALIGNED = ("position_ids", "mm_token_type_ids", "token_type_ids")
+
+
+@dataclass(frozen=True)
+class CacheLedger:
+    """How a pruned cache differs from the prompt it stands for (all fixed at the prefill).
+
+    Attributes:
+        prompt_length: S, the prompt's tokens.
+        kept_length: S', the prompt's tokens in the cache.
+        prompt_mask: [B, S'] long, the prompt's padding mask at the cached tokens, 0 at fillers: the
+            first S' columns of every later 2D mask.
+        filler: [B, S'] bool, True at cached fillers (ragged batches), or None.
+        next_position: [B] the text position of the token after the prompt.
+    """
+
+    prompt_length: int
+    kept_length: int
+    prompt_mask: torch.Tensor
+    filler: torch.Tensor | None
+    next_position: torch.Tensor
+
+    @property
+    def dropped(self) -> int:
+        return self.prompt_length - self.kept_length
+
+
+def ledger_of(cache: Any) -> CacheLedger | None:
+    return getattr(cache, ATTRIBUTE, None) if cache is not None else None
+
+
+def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
+    """Attach ``ledger`` to ``cache`` (None removes it: the cache was reset for a new prompt)."""
+    if ledger is None:
+        if hasattr(cache, ATTRIBUTE):
+            delattr(cache, ATTRIBUTE)
+        return
+    setattr(cache, ATTRIBUTE, ledger)
+
+
+def continue_call(
+    ledger: CacheLedger,
+    call: dict,
+    cache: Any,
+    adapter: FamilyAdapter,
+    model: torch.nn.Module,
+    check: bool,
+) -> None:
+    """Adjust ``call`` (the multimodal model's arguments, in place) to continue the pruned ``cache``.
+
+    A one-token call is a decode step: nothing is read back from the device. A longer call (a new chat
+    turn) reads the cache's length once, to undo generate()'s slicing of the conversation by the
+    physical (shorter) cache length; ``check`` (``strict=True``) also verifies a decode step's positions.
+    """
+    if compat.has_visual_inputs(call):
+        raise ValueError(
+            "new images on a pruned cache are not supported: the cache was pruned at the first turn; "
+            "start a new cache for a new image"
+        )
+    key = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
+    new = call[key].shape[1]
+    cached = compat.host_cache_length(cache)  # None where reading it would block (static caches)
+    mask = call.get("attention_mask")
+    host_checkable = cached is not None and isinstance(mask, torch.Tensor) and mask.ndim == 2
+    if new > 1 or check or host_checkable:
+        cached = int(compat.cache_length(cache)) if cached is None else cached
+        new = _align(ledger, call, key, new, cached)
+    text_positions = adapter.text_positions(model, call.get("position_ids"))
+    if text_positions is None:
+        length = compat.cache_length(cache) if cached is None else cached
+        steps = torch.arange(new, device=ledger.next_position.device)
+        positions = ledger.next_position[:, None] + (length - ledger.kept_length) + steps
+        call["position_ids"] = adapter.continuation_position_ids(model, positions)
+    call["attention_mask"] = _mask(ledger, call.get("attention_mask"), new, cache, cached)
+
+
+def _align(ledger: CacheLedger, call: dict, key: str, new: int, cached: int) -> int:
+    """Check that a call continues the cache; drop the inputs generate() sent although they are cached.
+
+    generate() slices a conversation by the cache's length, which pruning shortened by ``dropped``
+    tokens, so a new turn arrives with its first ``dropped`` tokens already in the cache.
+    """
+    logical = cached + ledger.dropped
+    mask = call.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        past = mask.shape[1] - new
+        sliced = past == cached and new > ledger.dropped > 0
+        if past != logical and not sliced:
+            raise ValueError(
+                f"the attention mask covers {mask.shape[1]} tokens, but the pruned cache stands for "
+                f"{logical} tokens plus {new} new ones; pass the mask of the whole conversation"
+            )
+    else:
+        sliced = _sliced_by_positions(ledger, call, new, cached)
+    if not sliced:
+        return new
+    call[key] = call[key][:, ledger.dropped :]
+    for name in TOKEN_ALIGNED:
+        if isinstance(call.get(name), torch.Tensor):
+            call[name] = call[name][..., ledger.dropped :]
+    return new - ledger.dropped
+
+
+def _sliced_by_positions(ledger: CacheLedger, call: dict, new: int, cached: int) -> bool:
+    """Without a 2D mask, the first text position says whether the inputs continue the cache."""
+    position_ids = call.get("position_ids")
+    if position_ids is None:
+        return False
+    text = position_ids[0] if position_ids.ndim == 3 else position_ids
+    expected = ledger.next_position + (cached - ledger.kept_length)
+    first = text[..., 0].expand_as(expected).to(expected.device)
+    if bool((first == expected).all()):
+        return False
+    if new > ledger.dropped and bool((first == expected - ledger.dropped).all()):
+        return True
+    raise ValueError(
+        "the inputs do not continue the pruned cache: expected text positions starting at "
+        f"{expected.tolist()}, got {first.tolist()}"
+    )
+
+
+def _mask(ledger: CacheLedger, mask: Any, new: int, cache: Any, cached: int | None) -> Any:
+    """The mask of a call on the pruned cache: a 2D mask loses the pruned prompt columns; prepared masks
+    (4D, or generate()'s dict for static caches) get the cached fillers hidden."""
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        if mask.shape[1] < ledger.prompt_length + new:
+            raise ValueError(
+                f"the attention mask covers {mask.shape[1]} tokens, fewer than the pruned prompt's "
+                f"{ledger.prompt_length} plus {new} new ones; pass the mask of the whole conversation"
+            )
+        return torch.cat([ledger.prompt_mask.to(mask.dtype), mask[:, ledger.prompt_length :]], dim=1)
+    if ledger.filler is None:
+        return mask
+    if mask is None:
+        cached = int(compat.cache_length(cache)) if cached is None else cached
+        tail = ledger.prompt_mask.new_ones(ledger.prompt_mask.shape[0], cached - ledger.kept_length + new)
+        return torch.cat([ledger.prompt_mask, tail], dim=1)
+    return compat.hide_cached_columns(mask, ledger.filler)

@@ -1,0 +1,208 @@
+"""The plan of one pruned prefill, made on the host once, before the first decoder layer runs.
+
+From one host copy of the prompt's token ids and padding mask, the plan finds every image and video of
+every row (``adapter.visual_items``; an item's separator is the slot right after it, Appendix A.3),
+groups their tokens into pools (``priortr.pools``), fixes every stage's budget, and lays out the text
+rows whose attention a scored layer recomputes. Every count and shape a stage needs is a Python value
+here, so the stages issue their device work without reading anything back from the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from priortr import compat
+from priortr.adapters import FamilyAdapter
+from priortr.engine.config import PruningConfig, PruningSkippedWarning
+from priortr.host import to_device, to_host
+from priortr.pools import Pool, make_pools
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """Where one pool's attention evidence sits among the recomputed rows (indices into R, host).
+
+    ``prior`` [I]: the row of each item's separator (its tokens' prior Q); ``posterior`` [R]: the
+    rows averaged into P (``PruningConfig.posterior_rows``); ``last``: the row of the prompt's last token
+    (FastV's signal).
+    """
+
+    prior: torch.Tensor
+    posterior: torch.Tensor
+    last: int
+
+
+@dataclass
+class PrefillPlan:
+    """Everything about one prefill that is known before the first stage, mostly as host values.
+
+    ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
+    tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
+    a scored layer: every non-padding text token of the row from its earliest separator on (0 where a
+    row has fewer, ``rows_real`` False there). ``pool_rows`` align with ``pools``.
+    """
+
+    batch: int
+    seq: int
+    pools: list[Pool]
+    stages: list[int]
+    visual: torch.Tensor
+    valid: torch.Tensor
+    text_tokens: list[int]
+    next_position: torch.Tensor
+    rows: torch.Tensor | None = None
+    rows_real: torch.Tensor | None = None
+    pool_rows: list[PoolRows] | None = None
+
+
+def make_plan(
+    adapter: FamilyAdapter, model: torch.nn.Module, config: PruningConfig, call: dict, n_layers: int
+) -> PrefillPlan | None:
+    """Plan the prefill of ``call`` (the multimodal model's arguments), or None when nothing is pruned."""
+    input_ids = call.get("input_ids")
+    if input_ids is None:
+        return skip_prefill(
+            config, "the model was called with inputs_embeds only, so the image tokens cannot be found"
+        )
+    batch, seq = input_ids.shape
+    device = input_ids.device
+    valid = compat.padding_mask(call.get("attention_mask"), batch, seq, device)  # [B, S] bool
+    host = plan_on_host(adapter, model.config, config, *to_host(input_ids, valid), n_layers)
+    if host is None:
+        return skip_prefill(config, "the prompt has no image tokens")
+    text_positions = adapter.text_positions(model, call.get("position_ids"))
+    if text_positions is None:
+        next_position = torch.full((batch,), seq, device=device)
+    else:
+        next_position = text_positions.amax(dim=-1).expand(batch) + 1
+    plan = PrefillPlan(
+        batch=batch,
+        seq=seq,
+        pools=[pool.to(device) for pool in host.pools],
+        stages=host.stages,
+        visual=to_device(host.visual, device),
+        valid=valid,
+        text_tokens=host.text_tokens,
+        next_position=next_position,
+        pool_rows=host.pool_rows,
+    )
+    if host.rows is not None:
+        plan.rows, plan.rows_real = to_device(host.rows, device), to_device(host.rows_real, device)
+    return plan
+
+
+@dataclass
+class HostPlan:
+    """The part of a plan computed from the host copy of the prompt (see ``PrefillPlan``)."""
+
+    pools: list[Pool]
+    stages: list[int]
+    visual: torch.Tensor
+    text_tokens: list[int]
+    rows: torch.Tensor | None = None
+    rows_real: torch.Tensor | None = None
+    pool_rows: list[PoolRows] | None = None
+
+
+def plan_on_host(
+    adapter: FamilyAdapter,
+    model_config: object,
+    config: PruningConfig,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    n_layers: int,
+) -> HostPlan | None:
+    """Images, pools, stages and attention rows from host copies of the prompt ``input_ids`` and its
+    padding mask ``valid`` [B, S]; None when the prompt has no image tokens."""
+    items = adapter.visual_items(model_config, input_ids)
+    if not items:
+        return None
+    batch, seq = input_ids.shape
+    visual = torch.zeros(batch, seq, dtype=torch.bool)
+    for item in items:
+        visual[item.row, item.positions] = True
+    pools = make_pools(
+        items, lambda n, part: config.plan(n, n_layers, part), config.multi_image, config.separator_offset
+    )
+    host = HostPlan(
+        pools=pools,
+        stages=sorted({layer for pool in pools for layer in pool.stages}),
+        visual=visual,
+        text_tokens=(seq - visual.sum(dim=1)).tolist(),
+    )
+    if "attention" in config.method.needs:
+        _lay_out_rows(host, visual, valid, config, adapter.separator_token)
+    return host
+
+
+def skip_prefill(config: PruningConfig, reason: str) -> None:
+    """Warn that a prefill runs unpruned (raise under ``strict``)."""
+    if config.strict:
+        raise ValueError(f"cannot prune: {reason} (strict=True)")
+    warnings.warn(f"priortr: pruning skipped, {reason}", PruningSkippedWarning, stacklevel=6)
+    return None
+
+
+def _lay_out_rows(
+    host: HostPlan, visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
+) -> None:
+    """The recomputed text rows of every batch row, and where each pool's evidence sits among them."""
+    batch, seq = visual.shape
+    first = [seq] * batch
+    for pool in host.pools:
+        _check_separators(pool, visual, valid, config, separator_token)
+        first[pool.row] = min(first[pool.row], *pool.separators)
+    text = (valid & ~visual).tolist()
+    rows = [[p for p in range(first[b], seq) if text[b][p]] for b in range(batch)]
+    width = max(1, *(len(row) for row in rows))
+    host.rows = torch.zeros(batch, width, dtype=torch.long)
+    host.rows_real = torch.zeros(batch, width, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        host.rows[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        host.rows_real[b, : len(row)] = True
+    host.pool_rows = [pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in host.pools]
+
+
+def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> PoolRows:
+    """One pool's prior, posterior and last rows among its batch row's recomputed rows ``rows``."""
+    index = {position: r for r, position in enumerate(rows)}
+    separator_row = torch.tensor([index[separator] for separator in pool.separators], dtype=torch.long)
+    latest = max(pool.separators)
+    if posterior_rows == "last":
+        chosen = [rows[-1]]
+    elif posterior_rows == "from_separator":
+        chosen = [p for p in rows if p >= latest]
+    else:
+        chosen = [p for p in rows if p > latest]
+    posterior = torch.zeros(width, dtype=torch.bool)
+    posterior[[index[p] for p in chosen]] = True
+    return PoolRows(separator_row, posterior, len(rows) - 1)
+
+
+def _check_separators(
+    pool: Pool, visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
+) -> None:
+    """Each item's prior slot must be a real text token, and an instruction must follow it."""
+    seq = visual.shape[1]
+    row = pool.row
+    for separator in pool.separators:
+        if separator >= seq:
+            raise ValueError(
+                f"an image ends the prompt: the separator slot ({separator_token}, offset "
+                f"{config.separator_offset}) does not exist. Put the instruction after the image"
+            )
+        if not bool(valid[row, separator]) or bool(visual[row, separator]):
+            raise ValueError(
+                "the separator slot after an image is a padding or visual token; check the attention "
+                "mask and separator_offset"
+            )
+    after = max(pool.separators) + 1
+    text = valid[row, after:] & ~visual[row, after:]
+    if config.posterior_rows == "after_separator" and not bool(text.any()):
+        raise ValueError(
+            "no instruction token follows the separator, so there is no posterior to score with; put the "
+            "question after the image, or use posterior_rows='from_separator'"
+        )

@@ -1,0 +1,159 @@
+"""One pruned prefill: the stages of a plan, run between decoder layers.
+
+Before decoder layer ``l``, a stage scored at layer ``l - 1`` (or, for ``l = 0``, before the language
+model) runs: gather evidence -> select -> cut. Layers after the first cut receive RoPE and masks
+gathered to the kept tokens; the layer a stage scores hands over its RoPE, its cache and (through the
+projection hooks) its queries and keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from priortr import compat
+from priortr.adapters import FamilyAdapter
+from priortr.adapters.base import VisionProbe
+from priortr.checks import value_checks_enabled
+from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.cut import Decision, cut
+from priortr.engine.evidence import attention_at_layer, groups, stage_inputs, vision_evidence
+from priortr.engine.ledger import CacheLedger, write_ledger
+from priortr.engine.plan import PrefillPlan
+from priortr.engine.report import PrefillRecord, Scored
+from priortr.engine.sequence import SequenceMap
+from priortr.surgery import gather_sequence
+
+
+class Prefill:
+    """The state of one prefill forward pass, from the model's pre-hook to its last stage."""
+
+    def __init__(
+        self,
+        plan: PrefillPlan,
+        config: PruningConfig,
+        adapter: FamilyAdapter,
+        vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None,
+        attention_implementation: str,
+    ) -> None:
+        self.plan = plan
+        self.config = config
+        self.adapter = adapter
+        self.vision = vision
+        self.implementation = attention_implementation
+        self.sequence = SequenceMap(
+            prompt_length=plan.seq,
+            positions=None,
+            visual=plan.visual,
+            valid=plan.valid,
+            filler=None,
+            lengths=[plan.seq] * plan.batch,
+        )
+        self.pending = list(plan.stages)
+        self.captured: dict[str, Any] = {}
+        self.cache: Any = None
+        self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
+        self._layer_inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    @property
+    def next_stage(self) -> int | None:
+        """The scored layer of the next stage (-1: before the language model), None when all ran."""
+        return self.pending[0] if self.pending else None
+
+    def before_layer(
+        self, index: int, layer: torch.nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """Run what has to happen before decoder layer ``index``; returns its new arguments."""
+        if self.next_stage == index - 1:
+            if self.next_stage == BEFORE_LLM:
+                self.cache = kwargs.get("past_key_values")
+            hidden = self.run_stage(args[0] if args else kwargs["hidden_states"])
+            if args:
+                args = (hidden, *args[1:])
+            else:
+                kwargs["hidden_states"] = hidden
+        if self.sequence.positions is not None:
+            self._gather_layer_inputs(kwargs)
+        if self.next_stage == index:
+            cache = kwargs.get("past_key_values")
+            if cache is not None:
+                compat.check_prunable_cache(cache, index)
+            self.cache = cache
+            self.captured["rope"] = kwargs["position_embeddings"]
+            self.captured["attention"] = self.adapter.attention(layer)
+        return args, kwargs
+
+    @torch.no_grad()
+    def run_stage(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gather evidence -> select -> cut, for every group of pools this stage ranks."""
+        layer = self.pending.pop(0)
+        plan, config, method = self.plan, self.config, self.config.method
+        with value_checks_enabled(config.strict):
+            attention = None
+            if "attention" in method.needs:
+                attention = attention_at_layer(plan, self.sequence, self.captured, self.adapter)
+            decisions = []
+            for group in groups(plan, self.sequence, layer):
+                vision = None
+                if self.vision is not None:
+                    probe, capture = self.vision
+                    vision = vision_evidence(capture, probe, plan, group, method.name)
+                inputs = stage_inputs(group, hidden, attention, plan, config, vision)
+                selection = method.select(inputs, **config.options)
+                if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
+                    raise ValueError(
+                        f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
+                        f"{len(group.pools)} images of {group.size} tokens"
+                    )
+                if not self.record.stages and selection.scores is not None and inputs.attention is not None:
+                    pools = [(pool.row, pool.positions) for pool in group.pools]
+                    self.record.scored.append(Scored(pools, inputs.attention, selection.scores))
+                decisions.append(Decision(group, selection, inputs.hidden))
+            changed = any(
+                d.selection.kept.shape[1] < d.group.size or d.selection.merge is not None for d in decisions
+            )
+            if changed:
+                unranked = [pool for pool in plan.pools if layer not in pool.stages]
+                hidden = cut(
+                    self.sequence, plan.text_tokens, decisions, unranked, hidden, self.cache, layer + 1
+                )
+                self._layer_inputs.clear()
+        stage = [(pool.row, pool.positions) for pool in plan.pools]
+        self.record.stages.append((layer, stage, any(d.selection.merge is not None for d in decisions)))
+        if not self.pending:
+            self.finish()
+        return hidden
+
+    def finish(self) -> None:
+        """Close the record and, when the cache was pruned, write its ledger."""
+        sequence = self.sequence
+        self.record.sequence = sequence
+        self.record.pruned = sequence.positions is not None
+        if self.record.pruned and self.cache is not None:
+            ledger = CacheLedger(
+                prompt_length=self.plan.seq,
+                kept_length=sequence.width,
+                prompt_mask=sequence.key_valid().long(),
+                filler=sequence.filler,
+                next_position=self.plan.next_position,
+            )
+            write_ledger(self.cache, ledger)
+
+    def _gather_layer_inputs(self, kwargs: dict) -> None:
+        """RoPE and mask of a layer that runs on the kept tokens only, computed once per stage."""
+        rope, mask = kwargs["position_embeddings"], kwargs.get("attention_mask")
+        key = (id(rope), id(mask))
+        if key not in self._layer_inputs:
+            positions, filler = self.sequence.positions, self.sequence.filler
+            static = compat.is_static_cache(kwargs.get("past_key_values"))
+            gathered_rope = tuple(gather_sequence(part, positions) for part in rope)
+            gathered_mask = compat.gather_layer_mask(
+                mask, positions, self.plan.seq, static, filler, self.implementation, rope[0].dtype
+            )
+            self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)  # originals keep ids unique
+        _, _, kwargs["position_embeddings"], kwargs["attention_mask"] = self._layer_inputs[key]
+        # Gapped position ids would read as packed sequences to FlashAttention; RoPE is already applied
+        # through the gathered (cos, sin), so layers need no position ids.
+        if "position_ids" in kwargs:
+            kwargs["position_ids"] = None

@@ -1,0 +1,82 @@
+"""Which prompt tokens the current, shortened sequence holds.
+
+Two index spaces meet in a pruned prefill: *positions* index the prompt as the caller passed it
+(S of them, the RoPE phases and the report use them) and *columns* index the sequence the layers now
+run on (S' <= S). ``SequenceMap`` holds the map between them, on the model's device, plus what the
+host knows without asking the device: how long every row is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from priortr.host import to_device
+
+
+@dataclass
+class SequenceMap:
+    """The current sequence of a prefill, as maps over its columns.
+
+    Attributes:
+        positions: [B, S'] the prompt position of each column (the rows of logits a plain forward
+            returns); None until the first cut, when columns are positions.
+        visual: [B, S'] True at visual tokens (kept ones and fillers).
+        valid: [B, S'] False at padding.
+        filler: [B, S'] True at pruned tokens kept only so that every row has one length (ragged
+            batches; masked from every query), or None when no row needs one.
+        lengths: the host's count of real (non-filler) columns of every row.
+        prompt_length: S.
+    """
+
+    prompt_length: int
+    positions: torch.Tensor | None
+    visual: torch.Tensor
+    valid: torch.Tensor
+    filler: torch.Tensor | None
+    lengths: list[int]
+    _column_of: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        """S', the current sequence length."""
+        return self.visual.shape[1]
+
+    def row_index(self, rows: list[int]) -> torch.Tensor:
+        """[G] the batch rows ``rows`` as an index tensor on the device (queued copy)."""
+        return to_device(torch.tensor(rows, dtype=torch.long), self.visual.device)
+
+    def column_of(self) -> torch.Tensor:
+        """[B, S] the column of every prompt position, -1 where it was dropped."""
+        if self._column_of is None:
+            batch, seq = self.positions.shape[0], self.prompt_length
+            columns = torch.arange(self.width, device=self.positions.device).expand_as(self.positions)
+            out = torch.full((batch, seq), -1, dtype=torch.long, device=self.positions.device)
+            self._column_of = out.scatter(1, self.positions, columns)
+        return self._column_of
+
+    def columns(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """[G, n] the columns of ``positions`` [G, n] of batch rows ``rows``."""
+        if self.positions is None:
+            return positions
+        return self.column_of()[self.row_index(rows)[:, None], positions]
+
+    def columns_of_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, R] the columns of per-row ``positions`` [B, R] (every batch row)."""
+        if self.positions is None:
+            return positions
+        return self.column_of().gather(1, positions)
+
+    def key_valid(self) -> torch.Tensor:
+        """[B, S'] the columns a query may attend to: neither padding nor filler."""
+        return self.valid if self.filler is None else self.valid & ~self.filler
+
+    def keep(self, index: torch.Tensor, filler: torch.Tensor | None, lengths: list[int]) -> None:
+        """Keep the columns ``index`` [B, S''] (ascending); ``filler`` flags the new fillers among them."""
+        self.positions = index if self.positions is None else self.positions.gather(1, index)
+        self.visual = self.visual.gather(1, index)
+        self.valid = self.valid.gather(1, index)
+        self.filler = filler
+        self.lengths = lengths
+        self._column_of = None
