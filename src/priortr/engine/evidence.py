@@ -35,13 +35,14 @@ from priortr.surgery import gather_sequence
 class Group:
     """Pools ranked by one selector call: G pools of n surviving tokens, each keeping ``budget``.
 
-    ``rows`` [G] are their batch rows; ``positions``, ``item_of``, ``offset`` and ``columns`` [G, n] are
+    ``rows`` [G] are their batch rows (``row_list`` on the host); ``positions``, ``item_of``, ``offset`` and ``columns`` [G, n] are
     each token's absolute position, item, index within its item, and current column.
     """
 
     pools: list[Pool]
     indices: list[int]
     budget: int
+    row_list: list[int]
     rows: torch.Tensor
     positions: torch.Tensor
     item_of: torch.Tensor
@@ -74,6 +75,7 @@ def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int) -> list[Group]:
                 pools=pools,
                 indices=indices,
                 budget=budget,
+                row_list=rows,
                 rows=sequence.row_index(rows),
                 positions=positions,
                 item_of=_stack([pool.item_of for pool in pools]),
@@ -125,7 +127,8 @@ def group_attention(
 ) -> dict[str, Any]:
     """The ``StageInputs`` attention fields of a group: Q, P and the last row, normalised
     (``scoring.build_evidence``), and the instruction rows for methods that weigh them one by one."""
-    per_pool = attention.index_select(0, group.rows) if attention.shape[0] != len(group.pools) else attention
+    every_row = group.row_list == list(range(attention.shape[0]))
+    per_pool = attention if every_row else attention.index_select(0, group.rows)  # [G, H, R, S']
     heads, n_rows = per_pool.shape[1], per_pool.shape[2]
     size = group.size
     device = per_pool.device
