@@ -7,6 +7,7 @@ asserted, only that every request type runs, the results are complete and the pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from lmms_eval.api.instance import GenerationResult, Instance
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from priortr.lmms_plugin import PriorTRLMMs, cut_at_stop
+from priortr.lmms_plugin import PADDING_KEY, PriorTRLMMs, cut_at_stop
 from tests.checkpoint import save_tiny_llava_checkpoint
 from tests.lmms_task.utils import CHOICES, RECORDS, write_local_dataset
 
@@ -261,3 +262,54 @@ def test_cut_at_stop() -> None:
 def test_unknown_model_arg_is_an_error(checkpoint: Path) -> None:
     with pytest.raises(TypeError, match=r"unknown model_args \['budgt'\]"):
         PriorTRLMMs(pretrained=str(checkpoint), budgt=4)
+
+
+def _padding(request: Instance) -> Instance:
+    """``request`` as lmms-eval copies it to even out the processes' shards."""
+    return Instance(
+        request.request_type, request.arguments, idx=0, metadata={**request.metadata, PADDING_KEY: True}
+    )
+
+
+def _never_called(doc: dict) -> list[Image.Image]:
+    raise AssertionError("a padding request reached the model")
+
+
+@pytest.mark.filterwarnings("ignore::priortr.PruningSkippedWarning")
+def test_padding_requests_are_answered_without_running_the_model(lm: PriorTRLMMs) -> None:
+    real = _instance(
+        "generate_until", ("what color", {"max_new_tokens": 3}, _doc_to_visual, 0, "local", "test"), 0
+    )
+    pad = _padding(
+        _instance("generate_until", ("a", {"max_new_tokens": 3}, _never_called, 1, "local", "test"), 1)
+    )
+    before = lm._stats["generate_until"].requests
+    answers = lm.generate_until([pad, real, pad])
+    assert answers[0] == answers[2] == "" and answers[1] == lm.generate_until([real])[0] != ""
+    assert lm._stats["generate_until"].requests == before + 2  # the real request, twice
+
+    scored = _instance("loglikelihood", ("color", " red", _doc_to_visual, 0, "local", "test"), 0)
+    skipped = _padding(_instance("loglikelihood", ("color", " red", _never_called, 0, "local", "test"), 0))
+    results = lm.loglikelihood([skipped, scored])
+    assert math.isnan(results[0].text[0]) and results[0].text[1] is False
+    assert results[1].text == lm.loglikelihood([scored])[0].text
+
+
+def test_device_map_splits_the_model_and_scores_the_same(lm: PriorTRLMMs, checkpoint: Path) -> None:
+    split = PriorTRLMMs(
+        pretrained=str(checkpoint), budget=BUDGET, layer=1, batch_size="2", dtype="float64", device_map="auto"
+    )
+    split.task_dict = lm.task_dict
+    requests = [
+        _instance("loglikelihood", (ctx, cont, _doc_to_visual, doc_id, "local", "test"), doc_id)
+        for ctx, cont, doc_id in LL_REQUESTS[:3]
+    ]
+    assert [r.text for r in split.loglikelihood(requests)] == [r.text for r in lm.loglikelihood(requests)]
+
+
+def test_device_map_is_refused_under_data_parallel(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as accelerate launch --num_processes 2 sets it
+    with pytest.raises(
+        ValueError, match=r"device_map=auto .* cannot be combined with 2 data-parallel processes"
+    ):
+        PriorTRLMMs(pretrained=str(checkpoint), device_map="auto")

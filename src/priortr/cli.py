@@ -299,6 +299,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """The paper's table from lmms-eval result folders: a row per (model, budget, method), a column per
+    benchmark in its own metric, and Avg %: the mean of score / baseline (unpruned) score, x 100."""
+    from priortr import report
+
+    table = report.build_table(report.load_runs(args.results), baseline=args.baseline)
+    print(report.to_markdown(table), end="")
+    for path in report.write(table, args.out) if args.out else []:
+        print(f"wrote {path}")
+    return 0
+
+
 LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
 
 
@@ -424,6 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--out", default="eval-out", help="folder for <split>.json, .md and .png")
     ev.set_defaults(func=cmd_eval)
+
+    rep = commands.add_parser(
+        "report", help="the paper's table from lmms-eval results", description=cmd_report.__doc__
+    )
+    rep.add_argument("results", nargs="+", metavar="RESULT_DIR", help="lmms-eval --output_path folders")
+    rep.add_argument("--baseline", default="vanilla", help="method label of the unpruned rows")
+    rep.add_argument("--out", help="folder for table.md, table.csv and retention.png")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 

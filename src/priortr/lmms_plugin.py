@@ -23,10 +23,25 @@ Requests, in lmms-eval's "simple" model format:
 
 Kept/total visual tokens are recorded per batch and reported through lmms-eval's throughput log
 (``results.json["throughput"]["avg_kept_tokens"]``, ``avg_visual_tokens``, ``avg_budget``).
+
+Placement follows lmms-eval's distributed model contract (as its ``llava_hf`` model does):
+
+* one process: the model on ``device``, or split over devices with ``device_map`` (model parallel);
+* ``accelerate launch --num_processes N`` (data parallel): lmms-eval's evaluator gives each process
+  (rank from the ``RANK`` / ``WORLD_SIZE`` environment) its share of the documents and gathers the
+  results; each process loads the whole model on its own device (``Accelerator().device``). The padding
+  requests that lmms-eval adds to even out the shards are answered without running the model (they
+  exist for models that synchronise inside forward; this one never does, and their answers are
+  dropped). The statistics are summed over the processes when lmms-eval calls ``clean()`` on every
+  process after the last request, so results.json holds them for the whole run.
+* the two modes are not combined: lmms-eval's own HF models drop ``device_map`` under several
+  processes; this plug-in refuses it with a message instead.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,16 +65,22 @@ DTYPES = {
 }
 # keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
 _IGNORED_KWARGS = ("max_batch_size",)
+REQUEST_TYPES = ("loglikelihood", "generate_until")
+# lmms-eval's mark on the copies of a request that even out the ranks' shards (evaluator, api/task.py)
+PADDING_KEY = "__padding_only__"
 
 
 @dataclass
 class KeptStats:
-    """Visual tokens kept over the batches of one request type: requests with images, and without."""
+    """Visual tokens kept over the batches of one request type: requests with images, and without;
+    model time and generated tokens of those batches."""
 
     rows: int = 0
     kept: int = 0  # summed over rows
     total: int = 0  # summed over rows
     unpruned_rows: int = 0  # rows without an image: nothing to prune
+    gen_tokens: int = 0
+    elapsed: float = 0.0  # seconds in the model's forward / generate calls
 
     def add(self, rows: int, pruned_rows: int, kept: int, total: int) -> None:
         """A batch of ``rows`` requests, ``pruned_rows`` of them with images, keeping ``kept`` of their
@@ -69,6 +90,18 @@ class KeptStats:
         self.kept += kept
         self.total += total
 
+    @property
+    def requests(self) -> int:
+        return self.rows + self.unpruned_rows
+
+    def summed_over_processes(self, accelerator: Any, device: torch.device) -> KeptStats:
+        """These counts summed over every process of a data-parallel run (a collective call: every
+        process must make it). float64 holds the integer counts exactly."""
+        counts = [self.rows, self.kept, self.total, self.unpruned_rows, self.gen_tokens, self.elapsed]
+        summed = accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=device), reduction="sum")
+        rows, kept, total, unpruned, gen_tokens, elapsed = summed.tolist()
+        return KeptStats(int(rows), int(kept), int(total), int(unpruned), int(gen_tokens), elapsed)
+
     def summary(self) -> dict[str, float]:
         if self.rows == 0:
             return {}
@@ -77,6 +110,40 @@ class KeptStats:
             "visual_tokens": self.total / self.rows,
             "kept_ratio": self.kept / self.total,
         }
+
+
+def is_padding(request: Instance) -> bool:
+    """Whether lmms-eval added ``request`` only to even out the processes' shards (its answer is dropped)."""
+    return bool((request.metadata or {}).get(PADDING_KEY))
+
+
+def data_parallel_accelerator(device: str | None, device_map: str | None) -> Any | None:
+    """This process's ``Accelerator`` when lmms-eval runs several processes (``WORLD_SIZE`` > 1, as its
+    evaluator reads it to shard the documents), else None.
+
+    Each process then runs the whole model on its own device (``accelerator.device``: ``cuda:LOCAL_RANK``,
+    or ``cpu``); a ``device`` naming another one, or a ``device_map``, is refused with the fix.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return None
+    if device_map:
+        raise ValueError(
+            f"priortr: device_map={device_map} (one model split over devices) cannot be combined with "
+            f"{world_size} data-parallel processes; run one process with device_map, or "
+            "accelerate launch without device_map (each process then holds the whole model)"
+        )
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    own = accelerator.device
+    asked = torch.device(device) if device else own
+    if asked.type != own.type or (asked.index is not None and asked != own):
+        raise ValueError(
+            f"priortr: under {world_size} data-parallel processes each process uses its own device "
+            f"(this one: {own}); drop device={device} from --model_args and --device"
+        )
+    return accelerator
 
 
 def _parse_budget(budget: int | float | str) -> int | float:
@@ -106,7 +173,10 @@ class PriorTRLMMs(lmms):
         method: any method of ``priortr methods``, default ``priortr``.
         budget: kept visual tokens per image: int K, or a ratio in (0, 1). Default 64.
         layer: 0-indexed decoder layer scored by one-layer methods (paper: 2); default: the method's.
-        device: ``cuda``, ``cuda:0``, ``cpu``...; default ``cuda`` when available, else ``cpu``.
+        device: ``cuda``, ``cuda:0``, ``cpu``...; default ``cuda`` when available, else ``cpu``. Under
+            data parallel each process takes its own (``cuda:LOCAL_RANK``), so leave it unset there.
+        device_map: model parallel in one process: passed to ``from_pretrained`` (``auto``,
+            ``balanced``, ``sequential``...); inputs go to ``device``. Refused under data parallel.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``float16``, ``bfloat16`` or ``float64``.
         batch_size: requests per forward / generate call (lmms-eval's ``--batch_size``).
         max_new_tokens: generation length when a task does not set one (lmms-eval's llava_hf: 1024).
@@ -123,6 +193,7 @@ class PriorTRLMMs(lmms):
         budget: int | float | str = 64,
         layer: int | str | None = None,
         device: str | None = None,
+        device_map: str | None = None,
         dtype: str = "auto",
         batch_size: int | str = 1,
         max_new_tokens: int = 1024,
@@ -143,16 +214,25 @@ class PriorTRLMMs(lmms):
             raise ValueError(f"priortr: batch_size must be a positive integer; got {batch_size!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"priortr: dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        accelerator = data_parallel_accelerator(device, device_map)
+        if accelerator is None:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        else:
+            self.accelerator = accelerator  # lmms-eval's evaluator gathers through lm.accelerator
+            self.device = accelerator.device
+            self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
         self.max_new_tokens = int(max_new_tokens)
         self.budget = _parse_budget(budget)
 
-        load_kwargs: dict[str, Any] = {"dtype": DTYPES.get(dtype, "auto")}
+        # straight onto this process's device (no host copy per process), or split by device_map
+        load_kwargs: dict[str, Any] = {
+            "dtype": DTYPES.get(dtype, "auto"),
+            "device_map": device_map or str(self.device),
+        }
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
         self.processor = AutoProcessor.from_pretrained(pretrained)
-        self.model = AutoModelForImageTextToText.from_pretrained(pretrained, **load_kwargs)
-        self.model.to(self.device).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(pretrained, **load_kwargs).eval()
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.model.config.image_token_id
         self.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
@@ -171,8 +251,12 @@ class PriorTRLMMs(lmms):
             "posterior_rows": posterior_rows,
         }
         self.handle = priortr.apply(self.model, **self._apply_kwargs)
+        self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
+        where = f"device_map={device_map}" if device_map else str(self.device)
+        if self.world_size > 1:
+            where += f" (process {self.rank} of {self.world_size}, data parallel)"
         eval_logger.info(
-            f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {self.device}, "
+            f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {where}, "
             f"method={method} budget={self.budget} layer={layer} batch_size={self.batch_size}"
         )
 
@@ -223,13 +307,27 @@ class PriorTRLMMs(lmms):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _report(self, kind: str, stats: KeptStats, elapsed: float, gen_tokens: int) -> None:
+    def clean(self) -> None:
+        """lmms-eval calls this on every process once every request has run: log the statistics of each
+        request type (summed over the processes of a data-parallel run) on the first process, which writes
+        results.json, then free the model as the base class does."""
+        for kind in REQUEST_TYPES:
+            stats = self._stats[kind]
+            if self.world_size > 1:
+                stats = stats.summed_over_processes(self.accelerator, self.device)
+            if self.rank == 0 and stats.requests:
+                self._report(kind, stats)
+        self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
+        super().clean()
+
+    def _report(self, kind: str, stats: KeptStats) -> None:
         extra: dict[str, Any] = {
             "budget": self.budget,
             **stats.summary(),
             "unpruned_requests": stats.unpruned_rows,
         }
-        log_metrics(elapsed, gen_tokens, gen_tokens / elapsed if elapsed > 0 else 0.0, extra)
+        speed = stats.gen_tokens / stats.elapsed if stats.elapsed > 0 else 0.0
+        log_metrics(stats.elapsed, stats.gen_tokens, speed, extra)
         if stats.rows:
             eval_logger.info(
                 f"priortr {kind}: kept {stats.kept / stats.rows:.2f} of {stats.total / stats.rows:.2f} "
@@ -242,12 +340,13 @@ class PriorTRLMMs(lmms):
     # -- generate_until ------------------------------------------------------------------------------
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        answers: list[str | None] = [None] * len(requests)
-        items = [(index, request.args) for index, request in enumerate(requests)]
+        """Greedy answers in request order; lmms-eval's padding requests get "" without running."""
+        answers: list[str] = [""] * len(requests)
+        items = [(index, request.args) for index, request in enumerate(requests) if not is_padding(request)]
         collator = lmms_utils.Collator(
             items, lambda item: (-len(item[1][0]), item[0]), group_fn=lambda item: item[1][1], grouping=True
         )
-        stats, elapsed, gen_tokens = KeptStats(), 0.0, 0
+        stats = self._stats["generate_until"]
         for chunk in collator.get_batched(n=self.batch_size):
             indices = [index for index, _ in chunk]
             gen_kwargs = dict(chunk[0][1][1] or {})
@@ -271,15 +370,14 @@ class PriorTRLMMs(lmms):
                     pad_token_id=self.pad_token_id,
                 )
             self._sync()
-            elapsed += time.perf_counter() - start
+            stats.elapsed += time.perf_counter() - start
             stats.add(len(chunk), *self._kept(before))
             new_tokens = output[:, inputs["input_ids"].shape[1] :]
-            gen_tokens += int((new_tokens != self.pad_token_id).sum())
+            stats.gen_tokens += int((new_tokens != self.pad_token_id).sum())
             texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
             for index, text in zip(indices, texts, strict=True):
                 answers[index] = cut_at_stop(text, until).strip()
-        self._report("generate_until", stats, elapsed, gen_tokens)
-        return answers  # type: ignore[return-value]
+        return answers
 
     # -- loglikelihood -------------------------------------------------------------------------------
 
@@ -291,16 +389,19 @@ class PriorTRLMMs(lmms):
         log-likelihood, so the choice ranking is lm-eval's (lmms-eval's llava_hf returns the token mean
         instead; both rank single-token choices identically). Returned as
         ``GenerationResult(text=(nll, is_greedy))``: lmms-eval 0.7 passes every model output through
-        ``unwrap_generation_output``, which turns a bare tuple into its string.
+        ``unwrap_generation_output``, which turns a bare tuple into its string. lmms-eval's padding
+        requests get ``(nan, False)`` without running.
         """
-        results: list[GenerationResult | None] = [None] * len(requests)
+        results = [GenerationResult(text=(math.nan, False))] * len(requests)  # type: ignore[arg-type]
         rows = []
         for index, request in enumerate(requests):
+            if is_padding(request):
+                continue
             context, target, d2v, doc_id, task, split = request.args
             continuation = target if isinstance(target, str) else target(self.task_dict[task][split][doc_id])
             rows.append((index, context, continuation, d2v, doc_id, task, split))
         collator = lmms_utils.Collator(rows, lambda row: (-len(row[1]) - len(row[2]), row[0]))
-        stats, elapsed = KeptStats(), 0.0
+        stats = self._stats["loglikelihood"]
         for chunk in collator.get_batched(n=self.batch_size):
             images = [self._images(row[3], row[5], row[6], row[4]) for row in chunk]
             self._sync()
@@ -309,9 +410,8 @@ class PriorTRLMMs(lmms):
             for row, (ll, greedy) in zip(chunk, scored, strict=True):
                 results[row[0]] = GenerationResult(text=(-ll, greedy))  # type: ignore[arg-type]
             self._sync()
-            elapsed += time.perf_counter() - start
-        self._report("loglikelihood", stats, elapsed, 0)
-        return results  # type: ignore[return-value]
+            stats.elapsed += time.perf_counter() - start
+        return results
 
     def _score(
         self,

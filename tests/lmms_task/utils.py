@@ -6,17 +6,23 @@ The task YAMLs read ``priortr_local.jsonl`` from the current directory; write it
 
 and pass ``--include_path tests/lmms_task``. Each record holds an absolute image path, a question in the
 tiny test tokenizer's vocabulary (``tests/checkpoint.py``), its answer and the answer choices.
+
+With ``PRIORTR_LOCAL_CALLS=FILE`` in the environment, every ``doc_to_visual`` call appends
+``"<process id> <record id>"`` to FILE: the plug-in calls it once per request it runs, so the test of
+data-parallel runs counts the requests that each process ran.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from PIL import Image
 
 DATA_FILE = "priortr_local.jsonl"
+CALLS_ENV = "PRIORTR_LOCAL_CALLS"
 CHOICES = ["red", "blue", "cat"]
 # (colour, image size, question, answer): sizes differ, the processor resizes every image to 28x28
 RECORDS = [
@@ -46,6 +52,10 @@ def write_local_dataset(directory: str | Path) -> Path:
 
 
 def doc_to_visual(doc: dict) -> list[Image.Image]:
+    calls = os.environ.get(CALLS_ENV)
+    if calls:
+        with open(calls, "a") as log:  # one short append per call: whole lines, even from two processes
+            log.write(f"{os.getpid()} {doc['id']}\n")
     return [Image.open(doc["image"]).convert("RGB")]
 
 
