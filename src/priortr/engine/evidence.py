@@ -35,8 +35,9 @@ from priortr.surgery import gather_sequence
 class Group:
     """Pools ranked by one selector call: G pools of n surviving tokens, each keeping ``budget``.
 
-    ``rows`` [G] are their batch rows (``row_list`` on the host); ``positions``, ``item_of``, ``offset`` and ``columns`` [G, n] are
-    each token's absolute position, item, index within its item, and current column.
+    ``rows`` [G] are their batch rows (``row_list`` on the host); ``positions``, ``item_of``,
+    ``offset`` and ``columns`` [G, n] are each token's absolute position, item, index within its item,
+    and current column.
     """
 
     pools: list[Pool]
