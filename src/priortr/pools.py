@@ -43,11 +43,6 @@ class Pool:
     def size(self) -> int:
         return int(self.positions.numel())
 
-    def token_separators(self) -> torch.Tensor:
-        """[n] the absolute prior slot of each surviving token's item."""
-        separators = torch.tensor(self.separators, device=self.positions.device)
-        return separators[self.item_of]
-
     def to(self, device: torch.device) -> Pool:
         """The pool with its token tensors on ``device`` (queued copies: the host does not wait)."""
         return replace(

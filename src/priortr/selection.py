@@ -83,11 +83,10 @@ class Selection:
             return
         if kept.shape[1] > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
             raise ValueError("Selection.kept must be strictly ascending in every row")
-        ones = torch.ones((), dtype=merge.dtype, device=merge.device) if merge is not None else None
-        if merge is not None and (
-            bool((merge < 0).any()) or not torch.allclose(merge.sum(-1), ones, atol=1e-4)
-        ):
-            raise ValueError("Selection.merge rows must be non-negative and sum to 1")
+        if merge is not None:
+            ones = torch.ones((), dtype=merge.dtype, device=merge.device)
+            if bool((merge < 0).any()) or not torch.allclose(merge.sum(-1), ones, atol=1e-4):
+                raise ValueError("Selection.merge rows must be non-negative and sum to 1")
 
 
 def top_k(scores: torch.Tensor, budget: int) -> Selection:

@@ -55,7 +55,7 @@ def cut(
         for pool in group.pools:
             lengths[pool.row] += kept.shape[1]
     for pool in unranked:
-        keep[pool.row, sequence.columns([pool.row], pool.positions[None])[0]] = True
+        keep[pool.row, sequence.columns(sequence.row_index([pool.row]), pool.positions[None])[0]] = True
         lengths[pool.row] += pool.size
     width = max(lengths)
     filler = None
@@ -75,7 +75,7 @@ def cut(
         static = compat.is_static_cache(cache)
         for layer in compat.cache_layers(cache)[:cached_layers]:
             compact_cache_layer(layer, index, sequence.width, static)
-    sequence.keep(index, None if filler is None else filler.gather(1, index), lengths)
+    sequence.keep(index, None if filler is None else filler.gather(1, index))
     for decision in decisions:
         _narrow(decision)
     return out
@@ -94,8 +94,8 @@ def _merge(out: torch.Tensor, slot: torch.Tensor, decision: Decision) -> None:
 def _narrow(decision: Decision) -> None:
     """Narrow the group's pools to the tokens that survived."""
     group, kept = decision.group, decision.selection.kept.to(decision.group.positions.device)
-    positions = group.positions.gather(1, kept)
-    item_of = group.item_of.gather(1, kept.to(group.item_of.device))
-    offset = group.offset.gather(1, kept.to(group.offset.device))
+    positions, item_of, offset = (
+        values.gather(1, kept) for values in (group.positions, group.item_of, group.offset)
+    )
     for g, pool in enumerate(group.pools):
         pool.keep(positions[g], item_of[g], offset[g])

@@ -70,6 +70,7 @@ def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int) -> list[Group]:
     for (_, budget), indices in by_key.items():
         pools = [plan.pools[i] for i in indices]
         rows = [pool.row for pool in pools]
+        row_index = sequence.row_index(rows)  # [G]
         positions = _stack([pool.positions for pool in pools])  # [G, n]
         out.append(
             Group(
@@ -77,11 +78,11 @@ def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int) -> list[Group]:
                 indices=indices,
                 budget=budget,
                 row_list=rows,
-                rows=sequence.row_index(rows),
+                rows=row_index,
                 positions=positions,
                 item_of=_stack([pool.item_of for pool in pools]),
                 offset=_stack([pool.offset for pool in pools]),
-                columns=sequence.columns(rows, positions),
+                columns=sequence.columns(row_index, positions),
             )
         )
     return out

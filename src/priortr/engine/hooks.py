@@ -37,6 +37,8 @@ class PruningEngine:
         self.layers = adapter.decoder_layers(model)
         self.vision = adapter.vision_probe(model) if "vision" in config.method.needs else None
         self._parameters = tuple(inspect.signature(self.multimodal.forward).parameters)
+        text_config = model.config.get_text_config()
+        self._attention_implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
         self._vision_capture: dict[str, torch.Tensor] = {}
         self._record: PrefillRecord | None = None
         self._last: PruneResult | None = None
@@ -72,14 +74,13 @@ class PruningEngine:
         call.update(kwargs)
         cache = call.get("past_key_values")
         ledger, new = ledger_of(cache), _new_tokens(call)
-        if new == 1 and (ledger is not None or not compat.has_visual_inputs(call)):  # a decode step
-            if ledger is None:
-                return None
-            continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
-            return (), call
-        empty = cache is None or compat.cache_length(cache) == 0
+        decode_step = new == 1 and (ledger is not None or not compat.has_visual_inputs(call))
+        if decode_step and ledger is None:
+            return None  # a decode step on a cache that was not pruned
+        # A decode step reads nothing back; a longer call reads a static cache's length (a prefill or turn).
+        empty = not decode_step and (cache is None or compat.cache_length(cache) == 0)
         if ledger is not None:
-            if not empty:  # a later chat turn
+            if not empty:  # a decode step or a later chat turn
                 continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
                 return (), call
             write_ledger(cache, None)  # the cache was reset for a new prompt
@@ -97,9 +98,7 @@ class PruningEngine:
         if plan is None:
             return None
         vision = None if self.vision is None else (self.vision, self._vision_capture)
-        text_config = self.model.config.get_text_config()
-        implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
-        prefill = Prefill(plan, self.config, self.adapter, vision, implementation)
+        prefill = Prefill(plan, self.config, self.adapter, vision, self._attention_implementation)
         self._last = None
         self._record = prefill.record
         if plan.stages:

@@ -42,10 +42,9 @@ class PrefillPlan:
     ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
     tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
     a scored layer: every non-padding text token of the row from its earliest separator on (0 where a
-    row has fewer, ``rows_real`` False there). ``pool_rows`` align with ``pools``.
+    row has fewer; ``pool_rows`` say which entries are real). ``pool_rows`` align with ``pools``.
     """
 
-    batch: int
     seq: int
     pools: list[Pool]
     stages: list[int]
@@ -54,7 +53,6 @@ class PrefillPlan:
     text_tokens: list[int]
     next_position: torch.Tensor
     rows: torch.Tensor | None = None
-    rows_real: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
 
@@ -79,7 +77,6 @@ def make_plan(
     else:
         next_position = text_positions.amax(dim=-1).expand(batch) + 1
     plan = PrefillPlan(
-        batch=batch,
         seq=seq,
         pools=[pool.to(device) for pool in host.pools],
         stages=host.stages,
@@ -90,7 +87,7 @@ def make_plan(
         pool_rows=host.pool_rows,
     )
     if host.rows is not None:
-        plan.rows, plan.rows_real = to_device(host.rows, device), to_device(host.rows_real, device)
+        plan.rows = to_device(host.rows, device)
     return plan
 
 
@@ -103,7 +100,6 @@ class HostPlan:
     visual: torch.Tensor
     text_tokens: list[int]
     rows: torch.Tensor | None = None
-    rows_real: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
 
@@ -159,10 +155,8 @@ def _lay_out_rows(
     rows = [[p for p in range(first[b], seq) if text[b][p]] for b in range(batch)]
     width = max(1, *(len(row) for row in rows))
     host.rows = torch.zeros(batch, width, dtype=torch.long)
-    host.rows_real = torch.zeros(batch, width, dtype=torch.bool)
     for b, row in enumerate(rows):
         host.rows[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        host.rows_real[b, : len(row)] = True
     host.pool_rows = [pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in host.pools]
 
 

@@ -48,7 +48,6 @@ class Prefill:
             visual=plan.visual,
             valid=plan.valid,
             filler=None,
-            lengths=[plan.seq] * plan.batch,
         )
         self.pending = list(plan.stages)
         self.captured: dict[str, Any] = {}

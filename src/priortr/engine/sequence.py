@@ -2,8 +2,7 @@
 
 Two index spaces meet in a pruned prefill: *positions* index the prompt as the caller passed it
 (S of them, the RoPE phases and the report use them) and *columns* index the sequence the layers now
-run on (S' <= S). ``SequenceMap`` holds the map between them, on the model's device, plus what the
-host knows without asking the device: how long every row is.
+run on (S' <= S). ``SequenceMap`` holds the map between them, on the model's device.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class SequenceMap:
         valid: [B, S'] False at padding.
         filler: [B, S'] True at pruned tokens kept only so that every row has one length (ragged
             batches; masked from every query), or None when no row needs one.
-        lengths: the host's count of real (non-filler) columns of every row.
         prompt_length: S.
     """
 
@@ -35,7 +33,6 @@ class SequenceMap:
     visual: torch.Tensor
     valid: torch.Tensor
     filler: torch.Tensor | None
-    lengths: list[int]
     _column_of: torch.Tensor | None = None
 
     @property
@@ -56,11 +53,11 @@ class SequenceMap:
             self._column_of = out.scatter(1, self.positions, columns)
         return self._column_of
 
-    def columns(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """[G, n] the columns of ``positions`` [G, n] of batch rows ``rows``."""
+    def columns(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[G, n] the columns of ``positions`` [G, n] of batch rows ``rows`` [G]."""
         if self.positions is None:
             return positions
-        return self.column_of()[self.row_index(rows)[:, None], positions]
+        return self.column_of()[rows[:, None], positions]
 
     def columns_of_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, R] the columns of per-row ``positions`` [B, R] (every batch row)."""
@@ -72,11 +69,10 @@ class SequenceMap:
         """[B, S'] the columns a query may attend to: neither padding nor filler."""
         return self.valid if self.filler is None else self.valid & ~self.filler
 
-    def keep(self, index: torch.Tensor, filler: torch.Tensor | None, lengths: list[int]) -> None:
+    def keep(self, index: torch.Tensor, filler: torch.Tensor | None) -> None:
         """Keep the columns ``index`` [B, S''] (ascending); ``filler`` flags the new fillers among them."""
         self.positions = index if self.positions is None else self.positions.gather(1, index)
         self.visual = self.visual.gather(1, index)
         self.valid = self.valid.gather(1, index)
         self.filler = filler
-        self.lengths = lengths
         self._column_of = None
