@@ -124,6 +124,33 @@ def attention_at_layer(
     return attention_rows(picked, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
 
 
+def next_layer_attention(
+    plan: PrefillPlan,
+    sequence: SequenceMap,
+    hidden: torch.Tensor,
+    layer: torch.nn.Module,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    adapter: FamilyAdapter,
+) -> torch.Tensor:
+    """Attention [B, H, R, S'] of the recomputed text rows as decoder layer ``layer`` would compute it on
+    its input ``hidden`` [B, S', D] (the scored layer's output), before it runs: its input norm, query
+    and key projections, the adapter's q/k norms, and RoPE ``rope`` (cos, sin) [B or 1, S', d].
+
+    PyramidDrop ranks at a stage boundary with the first layer of the next stage (``rank_layer =
+    layer_idx + 1`` in ``modeling_llama_pdrop.py``, Xing et al., CVPR 2025)."""
+    module = adapter.attention(layer)
+    normed = adapter.input_norm(layer)(hidden)  # [B, S', D]
+    rows = sequence.columns_of_rows(plan.rows).to(hidden.device)  # [B, R]
+    picked = normed.gather(1, rows[:, :, None].expand(-1, -1, normed.shape[-1]))  # [B, R, D]
+    queries, keys = adapter.queries_and_keys(
+        module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
+    )
+    cos, sin = rope
+    queries = apply_rope(queries, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
+    keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+    return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+
+
 def group_attention(
     attention: torch.Tensor, group: Group, pool_rows: list[PoolRows], config: PruningConfig
 ) -> dict[str, Any]:

@@ -129,7 +129,7 @@ def plan_on_host(
         visual=visual,
         text_tokens=(seq - visual.sum(dim=1)).tolist(),
     )
-    if "attention" in config.method.needs:
+    if config.method.needs & {"attention", "next_attention"}:
         _lay_out_rows(host, visual, valid, config, adapter.separator_token)
     return host
 
