@@ -95,11 +95,13 @@ def stage_inputs(
     plan: PrefillPlan,
     config: PruningConfig,
     vision: dict[str, torch.Tensor] | None,
+    tokens: dict[str, torch.Tensor] | None = None,
 ) -> StageInputs:
     """Everything the method asks for about ``group``'s tokens: hidden states [G, n, D], attention
-    evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row."""
+    evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row,
+    the per-token features of ``token_evidence``."""
     visual_hidden = hidden[group.rows[:, None], group.columns]  # [G, n, D]
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict(tokens or {})
     if attention is not None:
         fields.update(group_attention(attention, group, [plan.pool_rows[i] for i in group.indices], config))
     if vision is not None:
@@ -149,6 +151,42 @@ def next_layer_attention(
     queries = apply_rope(queries, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
     keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
     return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+
+
+def token_evidence(
+    group: Group,
+    hidden: torch.Tensor,
+    plan: PrefillPlan,
+    sequence: SequenceMap,
+    captured: dict[str, Any],
+    adapter: FamilyAdapter,
+    final_norm: torch.nn.Module | None,
+    needs: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """Per-token features of the group's visual tokens and of the text rows (``plan.rows``) at the
+    scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
+    and its output through the language model's final norm (``final_norm``), as DART reads them
+    (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
+    ``self.norm(layer_outputs[0])``). Prompt positions count from each row's first real token."""
+    device = hidden.device
+    rows = group.rows.to(device)
+    columns = group.columns.to(device)
+    text_columns = sequence.columns_of_rows(plan.rows).to(device).index_select(0, rows)  # [G, R]
+    after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R]
+    fields: dict[str, torch.Tensor] = {"text_after": to_device(after, device)}
+    if "keys" in needs:
+        _, keys = adapter.queries_and_keys(captured["attention"], captured["q"], captured["k"])
+        cos, sin = captured["rope"]
+        keys = apply_rope(keys, cos, sin).transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
+        fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
+        fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
+        start = plan.valid.int().argmax(dim=1).index_select(0, rows)[:, None]  # [G, 1]
+        fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
+        fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
+    if "final_norm" in needs:
+        fields["normed"] = final_norm(hidden[rows[:, None], columns])  # [G, n, D]
+        fields["text_normed"] = final_norm(hidden[rows[:, None], text_columns])  # [G, R, D]
+    return fields
 
 
 def group_attention(

@@ -23,6 +23,7 @@ from priortr.engine.evidence import (
     groups,
     next_layer_attention,
     stage_inputs,
+    token_evidence,
     vision_evidence,
 )
 from priortr.engine.ledger import CacheLedger, write_ledger
@@ -42,12 +43,14 @@ class Prefill:
         adapter: FamilyAdapter,
         vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None,
         attention_implementation: str,
+        final_norm: torch.nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.config = config
         self.adapter = adapter
         self.vision = vision
         self.implementation = attention_implementation
+        self.final_norm = final_norm
         self.sequence = SequenceMap(
             prompt_length=plan.seq,
             positions=None,
@@ -112,7 +115,19 @@ class Prefill:
                 if self.vision is not None:
                     probe, capture = self.vision
                     vision = vision_evidence(capture, probe, plan, group, method.name)
-                inputs = stage_inputs(group, hidden, attention, plan, config, vision)
+                tokens = None
+                if method.needs & {"keys", "final_norm"}:
+                    tokens = token_evidence(
+                        group,
+                        hidden,
+                        plan,
+                        self.sequence,
+                        self.captured,
+                        self.adapter,
+                        self.final_norm,
+                        method.needs,
+                    )
+                inputs = stage_inputs(group, hidden, attention, plan, config, vision, tokens)
                 selection = method.select(inputs, **config.options)
                 if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
                     raise ValueError(
