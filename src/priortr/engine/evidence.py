@@ -167,7 +167,8 @@ def token_evidence(
     scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
     and its output through the language model's final norm (``final_norm``), as DART reads them
     (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
-    ``self.norm(layer_outputs[0])``). Prompt positions count from each row's first real token."""
+    ``self.norm(layer_outputs[0])``). Keys carry the RoPE phases and prompt positions count from each
+    row's first real token, so a left-padded row gives what it gives alone."""
     device = hidden.device
     rows = group.rows.to(device)
     columns = group.columns.to(device)
@@ -175,12 +176,18 @@ def token_evidence(
     after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R]
     fields: dict[str, torch.Tensor] = {"text_after": to_device(after, device)}
     if "keys" in needs:
+        start = plan.valid.int().argmax(dim=1)[:, None]  # [B, 1] each row's first real token
         _, keys = adapter.queries_and_keys(captured["attention"], captured["q"], captured["k"])
         cos, sin = captured["rope"]
-        keys = apply_rope(keys, cos, sin).transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
+        first = sequence.columns_of_rows(start)  # [B, 1]
+        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+        # RoPE phases as if each row's first real token sat at position 0 (the authors' batch of one;
+        # generate() numbers left-padded rows so already): rotate back by that token's own phase.
+        keys = apply_rope(keys, gather_sequence(cos, first), -gather_sequence(sin, first))
+        keys = keys.transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
         fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
         fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
-        start = plan.valid.int().argmax(dim=1).index_select(0, rows)[:, None]  # [G, 1]
+        start = start.index_select(0, rows)  # [G, 1]
         fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
         fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
     if "final_norm" in needs:
