@@ -60,10 +60,8 @@ def set_order(values: torch.Tensor) -> torch.Tensor:
     """[P] the order in which CPython iterates ``set(values.tolist())`` for distinct small non-negative
     ints ``values`` [P], as indices into ``values``, computed on the device (no host sync).
 
-    DART visits its pivots in the order of a Python set of their prompt positions (``for item in
-    list(indices_set)``); the order decides which pivot takes a token two pivots both rank least
-    similar. ``set(list)`` adds the items one by one to an 8-slot table and, when ``fill * 5 >= mask *
-    3``, moves them in slot order to a table of the next power of two above ``4 * used`` slots.
+    ``set(list)`` adds the items one by one to an 8-slot table and, when ``fill * 5 >= mask * 3``,
+    moves them in slot order to a table of the next power of two above ``4 * used`` slots.
     """
     count = values.numel()
     size = _MIN_TABLE
