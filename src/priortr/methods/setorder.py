@@ -64,18 +64,20 @@ def set_order(values: torch.Tensor) -> torch.Tensor:
     moves them in slot order to a table of the next power of two above ``4 * used`` slots.
     """
     count = values.numel()
+    items = torch.arange(count, device=values.device)
     size = _MIN_TABLE
+    probes = _probe_sequence(values, size)  # [P, C] each value's slots in this table
     table = torch.full((size,), -1, dtype=torch.long, device=values.device)
     for used in range(1, count + 1):
-        item = torch.tensor(used - 1, device=values.device)
-        table = _insert(table, _probe_sequence(values[used - 1 : used], size)[0], item)
+        table = _insert(table, probes[used - 1], items[used - 1])
         if used * 5 >= (size - 1) * 3:
             moved = _slot_order(table, used)
             size = _MIN_TABLE
             while size <= used * 4:
                 size *= 2
+            probes = _probe_sequence(values, size)
             table = torch.full((size,), -1, dtype=torch.long, device=values.device)
-            slots = _probe_sequence(values[moved], size)  # [used, C]
+            moved_probes = probes.index_select(0, moved)  # [used, C]
             for index in range(used):
-                table = _insert(table, slots[index], moved[index])
+                table = _insert(table, moved_probes[index], moved[index])
     return _slot_order(table, count)
