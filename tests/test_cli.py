@@ -73,7 +73,7 @@ def test_budget_count_or_ratio_keeps_4_of_16(files, capsys, budget: str) -> None
     "extra",
     [
         ["--method", "visionzip", "--option", "contextual_ratio=0.5"],
-        ["--method", "dart", "--layer", "1", "--option", "pivots=2"],
+        ["--method", "dart", "--layer", "1", "--option", "image_pivots=2"],
         ["--method", "priortr", "--stages", "0:8", "1:4"],
         ["--method", "pdrop"],
     ],

@@ -3,12 +3,16 @@ which rows form the posterior, and how a pool of two images normalises its prior
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import priortr
 from priortr.adapters.base import VisualItem
 from priortr.engine.evidence import per_item_prior
 from priortr.engine.plan import pool_rows
 from priortr.pools import Pool
+from tests.tiny import llava_batch, tiny_llava
+from tests.tiny_qwen3_vl import qwen3_vl_batch, tiny_qwen3_vl
 
 
 def _pool(items: list[VisualItem]) -> Pool:
@@ -68,3 +72,40 @@ def test_two_images_in_one_pool_normalise_each_prior_by_its_share():
         [raw_a / raw_a.sum(-1, keepdim=True) * 2 / 5, raw_b / raw_b.sum(-1, keepdim=True) * 3 / 5], -1
     )
     torch.testing.assert_close(prior, expected)
+
+
+def test_the_text_after_an_image_starts_at_its_separator():
+    image_b = _pool([VisualItem(0, torch.tensor([5, 6]), 7)])
+    assert pool_rows(image_b, ROWS, WIDTH, "after_separator").after.tolist() == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("build", "make_batch", "scored"),
+    [(tiny_llava, llava_batch, 0), (tiny_qwen3_vl, qwen3_vl_batch, 1)],
+    ids=["llava", "qwen3-vl (q/k norms)"],
+)
+def test_next_layer_attention_is_that_layers_own_attention(build, make_batch, scored):
+    """``next_attention`` at a stage scored at layer l: the attention weights layer l + 1 computes when
+    it runs (eager, unpruned model), instruction rows over the visual tokens; layer l's differ."""
+    model = build(attn="eager")
+    batch = make_batch(model, 1)
+    with torch.no_grad():
+        attentions = model(**batch.kwargs(), output_attentions=True).attentions
+    visual = batch.visual_mask()[0]
+    after = torch.arange(batch.seq_len) > int(visual.nonzero().max()) + 1  # after the separator
+
+    def posterior(layer):
+        rows = attentions[layer][0].mean(dim=0)[after][:, visual].mean(dim=0)
+        return rows / rows.sum()
+
+    with priortr.apply(model, method="pdrop", budget=4, stages=[(scored, 4)]) as handle, torch.no_grad():
+        model(**batch.kwargs())
+    torch.testing.assert_close(handle.last.posterior[0].double(), posterior(scored + 1), atol=1e-7, rtol=0)
+    assert (handle.last.posterior[0].double() - posterior(scored)).abs().max() > 1e-5

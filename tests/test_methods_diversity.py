@@ -1,4 +1,5 @@
-"""Tests for the diversity methods of priortr.methods: DivPrune, DART and VisPruner on hand-made tokens."""
+"""Tests for the diversity methods of priortr.methods: DivPrune and VisPruner on hand-made tokens
+(DART: tests/test_methods_dart.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from priortr.methods.dart import dart
 from priortr.methods.divprune import divprune
 from priortr.methods.vispruner import vispruner
 from priortr.selection import Selection, StageInputs
 
 SELECTORS: dict[str, Callable[[StageInputs], Selection]] = {
     "divprune": divprune,
-    "dart": dart,
     "vispruner": vispruner,
 }
 
@@ -45,7 +44,7 @@ def _random_inputs(budget: int, batch: int = 2, n_visual: int = 40, seed: int = 
     return _inputs(hidden, budget, vision_cls)
 
 
-# --- contract shared by the three selectors --------------------------------------------------------
+# --- contract shared by the selectors ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -194,59 +193,6 @@ def test_divprune_matches_a_plain_python_greedy(seed: int) -> None:
     inputs = _random_inputs(9, batch=2, n_visual=25, seed=seed)
     expected = [_reference_divprune(row.tolist(), 9) for row in inputs.hidden]
     assert _kept(divprune(inputs)) == expected
-
-
-# --- DART -----------------------------------------------------------------------------------------
-
-
-def test_dart_keeps_the_pivot_and_the_tokens_least_similar_to_it() -> None:
-    # token 0 has the largest L1 norm (pivot); cosines to it: 1 (token 1), 0 (2), -1 (3), 0.71 (4)
-    hidden = torch.tensor([[[3.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0]]])
-    assert _kept(dart(_inputs(hidden, 3), pivots=1)) == [[0, 2, 3]]
-
-
-def test_dart_moving_the_pivot_changes_the_result() -> None:
-    # now token 2 has the largest norm: tokens 0, 1 and 3 are orthogonal to it (ties -> lower index)
-    hidden = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 3.0], [-1.0, 0.0], [1.0, 1.0]]])
-    assert _kept(dart(_inputs(hidden, 3), pivots=1)) == [[0, 1, 2]]
-
-
-def test_dart_pivot_norm_is_l1_not_l2() -> None:
-    # token 0: L1 3.0, L2 2.12; token 1: L1 2.9, L2 2.9. L1 makes token 0 the pivot, so token 3
-    # (opposite to token 0) is kept; an L2 pivot (token 1) would keep token 2 (opposite to token 1).
-    hidden = torch.tensor([[[1.5, 1.5], [0.0, 2.9], [0.0, -1.0], [-1.0, -1.0], [0.1, 0.9]]])
-    assert _kept(dart(_inputs(hidden, 2), pivots=1)) == [[0, 3]]
-
-
-# Pivots at 0 deg (norm 5) and 90 deg (norm 4); unit tokens at 180, 170, 270, 260, 45 and 135 deg.
-TWO_PIVOTS = _at_angles(0.0, 90.0, 180.0, 170.0, 270.0, 260.0, 45.0, 135.0, norms=[5, 4, 1, 1, 1, 1, 1, 1])
-
-
-def test_dart_shares_the_budget_between_pivots() -> None:
-    # K=6: pivots 0 and 1, then 2 tokens each: 180 and 170 deg for pivot 0, 270 and 260 deg for pivot 1
-    assert _kept(dart(_inputs(TWO_PIVOTS, 6), pivots=2)) == [[0, 1, 2, 3, 4, 5]]
-
-
-def test_dart_uneven_share_goes_to_the_larger_norm_pivot_first() -> None:
-    # K=5: 3 tokens for 2 pivots; pivot 0 (larger norm) takes 2 (180, 170 deg), pivot 1 takes 1 (270 deg)
-    assert _kept(dart(_inputs(TWO_PIVOTS, 5), pivots=2)) == [[0, 1, 2, 3, 4]]
-
-
-def test_dart_later_pivots_skip_tokens_already_taken() -> None:
-    # both pivots point at 0 deg, so both want 180 deg then 170 deg: the second gets 135 and 90 deg
-    hidden = _at_angles(0.0, 0.0, 180.0, 170.0, 90.0, 135.0, 10.0, norms=[5, 4, 1, 1, 1, 1, 1])
-    assert _kept(dart(_inputs(hidden, 6), pivots=2)) == [[0, 1, 2, 3, 4, 5]]
-
-
-def test_dart_more_pivots_than_budget_keeps_the_largest_norms() -> None:
-    hidden = torch.tensor([[[1.0, 0.0], [0.0, 4.0], [-2.0, 0.0], [0.0, -3.0], [0.5, 0.5]]])
-    assert _kept(dart(_inputs(hidden, 2), pivots=4)) == [[1, 3]]
-
-
-@pytest.mark.parametrize("pivots", [0, -2, 1.5, True])
-def test_dart_bad_pivots_raise(pivots: object) -> None:
-    with pytest.raises(ValueError, match="dart pivots must be an int >= 1"):
-        dart(_random_inputs(5), pivots=pivots)
 
 
 # --- VisPruner ------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ def apply(
             to their token counts. A budget covering every token leaves outputs bit-identical to the
             stock model.
         layer: for one-layer methods, the 0-indexed decoder layer that is scored, in
-            [0, num_layers - 2] (default 2); layers ``layer + 1 ..`` run on the kept tokens and the KV
+            [0, num_layers - 2] (default: the method's published setting, 1 for FastV's K = 2 and
+            DART's ``pruned_layer 2``, else 2); layers ``layer + 1 ..`` run on the kept tokens and the KV
             cache of layers ``0 .. layer`` is pruned. Methods that prune before the language model or
             follow their own schedule take no layer.
         stages: (scored layer, budget) pairs, layers increasing, budgets not increasing, that replace
@@ -151,7 +152,8 @@ def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
             where = "before the language model" if info.where == "vision" else "on its own schedule of layers"
             raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
         return DEFAULT_LAYER
-    layer = DEFAULT_LAYER if layer is None else layer
+    if layer is None:
+        layer = DEFAULT_LAYER if info.layer is None else info.layer
     if not _is_int(layer) or not 0 <= layer <= n_layers - 2:
         raise ValueError(
             f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "

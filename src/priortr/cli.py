@@ -39,7 +39,7 @@ def parse_budget(text: str) -> int | float:
 
 
 def parse_option(text: str) -> tuple[str, Any]:
-    """``name=value`` with a Python literal value (``pivots=8``, ``adaptive=True``), or a plain string."""
+    """``name=value`` with a Python literal value (``neighbours=8``, ``adaptive=True``), or a plain string."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"an option is name=value, got {text!r}")

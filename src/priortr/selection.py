@@ -33,6 +33,14 @@ class StageInputs:
         vision_cls: [B, N] float32 head-mean attention of the vision tower's [CLS] query over the
             visual tokens, at the vision layer whose output the model uses; None without a [CLS].
         vision_keys: [B, H, N, d] that vision layer's keys of the visual tokens.
+        keys: [B, N, H_kv * d] the scored layer's keys of the visual tokens (after the family's k-norm
+            and RoPE, every kv head side by side); ``text_keys`` [B, R, H_kv * d] those of the text rows
+            (every prompt token from the earliest separator on; ``text_after`` [B, R] bool marks the
+            image's own text, from its separator on, the rest is padding or another image's).
+        prompt_positions: [B, N] int64 each visual token's index in its prompt, counted from the row's
+            first non-padding token; ``text_prompt_positions`` [B, R] those of the text rows.
+        normed: [B, N, D] the scored layer's output through the language model's final norm;
+            ``text_normed`` [B, R, D] those of the text rows.
         seed: seed for any randomness (random baselines, K-means initialisation).
     """
 
@@ -43,6 +51,13 @@ class StageInputs:
     text_valid: torch.Tensor | None = None
     vision_cls: torch.Tensor | None = None
     vision_keys: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    text_keys: torch.Tensor | None = None
+    text_after: torch.Tensor | None = None
+    prompt_positions: torch.Tensor | None = None
+    text_prompt_positions: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+    text_normed: torch.Tensor | None = None
     seed: int = 0
 
     @property

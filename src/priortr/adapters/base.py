@@ -98,6 +98,14 @@ class FamilyAdapter:
     def key_projection(self, attention: nn.Module) -> nn.Module:
         return attention.k_proj
 
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        """The norm a decoder layer applies to its input before attention (pre-norm decoders)."""
+        return layer.input_layernorm
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The language model's norm after its last decoder layer, whose output the LM head reads."""
+        return self.language_model(model).norm
+
     def visual_token_ids(self, config) -> dict[str, int]:
         """Token ids of visual placeholders, by modality name (``image``, ``video``)."""
         return {"image": config.image_token_id}
@@ -138,12 +146,11 @@ class FamilyAdapter:
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head queries [B, H, S, d] and keys [B, H_kv, S, d] from the projections' outputs, before
-        RoPE. Families with q/k norms (Qwen3) apply them here."""
+        """Per-head queries [B, H, R, d] and keys [B, H_kv, S, d] from the projections' outputs (of R and
+        S tokens), before RoPE. Families with q/k norms (Qwen3) apply them here."""
         head_dim = attention.head_dim
-        batch, seq, _ = query_out.shape
-        queries = query_out.view(batch, seq, -1, head_dim).transpose(1, 2)
-        keys = key_out.view(batch, seq, -1, head_dim).transpose(1, 2)
+        queries = query_out.view(*query_out.shape[:2], -1, head_dim).transpose(1, 2)
+        keys = key_out.view(*key_out.shape[:2], -1, head_dim).transpose(1, 2)
         return queries, keys
 
     def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:

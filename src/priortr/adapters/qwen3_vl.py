@@ -33,10 +33,9 @@ class Qwen3VLAdapter(QwenVLAdapter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head ``q_norm(q)`` [B, H, S, d] and ``k_norm(k)`` [B, H_kv, S, d], as
         ``Qwen3VLTextAttention.forward`` computes them before RoPE."""
-        batch, seq, _ = query_out.shape
         head_dim = attention.head_dim
-        queries = attention.q_norm(query_out.view(batch, seq, -1, head_dim)).transpose(1, 2)
-        keys = attention.k_norm(key_out.view(batch, seq, -1, head_dim)).transpose(1, 2)
+        queries = attention.q_norm(query_out.view(*query_out.shape[:2], -1, head_dim)).transpose(1, 2)
+        keys = attention.k_norm(key_out.view(*key_out.shape[:2], -1, head_dim)).transpose(1, 2)
         return queries, keys
 
     def injected_layers(self, model: nn.Module) -> int:

@@ -95,11 +95,13 @@ def stage_inputs(
     plan: PrefillPlan,
     config: PruningConfig,
     vision: dict[str, torch.Tensor] | None,
+    tokens: dict[str, torch.Tensor] | None = None,
 ) -> StageInputs:
     """Everything the method asks for about ``group``'s tokens: hidden states [G, n, D], attention
-    evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row."""
+    evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row,
+    the per-token features of ``token_evidence``."""
     visual_hidden = hidden[group.rows[:, None], group.columns]  # [G, n, D]
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict(tokens or {})
     if attention is not None:
         fields.update(group_attention(attention, group, [plan.pool_rows[i] for i in group.indices], config))
     if vision is not None:
@@ -122,6 +124,76 @@ def attention_at_layer(
     picked = apply_rope(picked, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
     keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
     return attention_rows(picked, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+
+
+def next_layer_attention(
+    plan: PrefillPlan,
+    sequence: SequenceMap,
+    hidden: torch.Tensor,
+    layer: torch.nn.Module,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    adapter: FamilyAdapter,
+) -> torch.Tensor:
+    """Attention [B, H, R, S'] of the recomputed text rows as decoder layer ``layer`` would compute it on
+    its input ``hidden`` [B, S', D] (the scored layer's output), before it runs: its input norm, query
+    and key projections, the adapter's q/k norms, and RoPE ``rope`` (cos, sin) [B or 1, S', d].
+
+    PyramidDrop ranks at a stage boundary with the first layer of the next stage (``rank_layer =
+    layer_idx + 1`` in ``modeling_llama_pdrop.py``, Xing et al., CVPR 2025)."""
+    module = adapter.attention(layer)
+    normed = adapter.input_norm(layer)(hidden)  # [B, S', D]
+    rows = sequence.columns_of_rows(plan.rows).to(hidden.device)  # [B, R]
+    picked = normed.gather(1, rows[:, :, None].expand(-1, -1, normed.shape[-1]))  # [B, R, D]
+    queries, keys = adapter.queries_and_keys(
+        module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
+    )
+    cos, sin = rope
+    queries = apply_rope(queries, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
+    keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+    return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+
+
+def token_evidence(
+    group: Group,
+    hidden: torch.Tensor,
+    plan: PrefillPlan,
+    sequence: SequenceMap,
+    captured: dict[str, Any],
+    adapter: FamilyAdapter,
+    final_norm: torch.nn.Module | None,
+    needs: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """Per-token features of the group's visual tokens and of the text rows (``plan.rows``) at the
+    scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
+    and its output through the language model's final norm (``final_norm``), as DART reads them
+    (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
+    ``self.norm(layer_outputs[0])``). Keys carry the RoPE phases and prompt positions count from each
+    row's first real token, so a left-padded row gives what it gives alone."""
+    device = hidden.device
+    rows = group.rows.to(device)
+    columns = group.columns.to(device)
+    text_columns = sequence.columns_of_rows(plan.rows).to(device).index_select(0, rows)  # [G, R]
+    after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R]
+    fields: dict[str, torch.Tensor] = {"text_after": to_device(after, device)}
+    if "keys" in needs:
+        start = plan.valid.int().argmax(dim=1)[:, None]  # [B, 1] each row's first real token
+        _, keys = adapter.queries_and_keys(captured["attention"], captured["q"], captured["k"])
+        cos, sin = captured["rope"]
+        first = sequence.columns_of_rows(start)  # [B, 1]
+        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+        # RoPE phases as if each row's first real token sat at position 0 (the authors' batch of one;
+        # generate() numbers left-padded rows so already): rotate back by that token's own phase.
+        keys = apply_rope(keys, gather_sequence(cos, first), -gather_sequence(sin, first))
+        keys = keys.transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
+        fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
+        fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
+        start = start.index_select(0, rows)  # [G, 1]
+        fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
+        fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
+    if "final_norm" in needs:
+        fields["normed"] = final_norm(hidden[rows[:, None], columns])  # [G, n, D]
+        fields["text_normed"] = final_norm(hidden[rows[:, None], text_columns])  # [G, R, D]
+    return fields
 
 
 def group_attention(

@@ -98,7 +98,8 @@ class PruningEngine:
         if plan is None:
             return None
         vision = None if self.vision is None else (self.vision, self._vision_capture)
-        prefill = Prefill(plan, self.config, self.adapter, vision, self._attention_implementation)
+        norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
+        prefill = Prefill(plan, self.config, self.adapter, vision, self._attention_implementation, norm)
         self._last = None
         self._record = prefill.record
         if plan.stages:
@@ -114,7 +115,7 @@ class PruningEngine:
         for index in range(max(stages[0], 0), len(self.layers)):
             hook = self._before_layer(prefill, index)
             self._armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
-        if "attention" in self.config.method.needs:
+        if self.config.method.needs & {"attention", "keys"}:
             for index in (layer for layer in stages if layer != BEFORE_LLM):
                 attention = self.adapter.attention(self.layers[index])
                 self._armed += [

@@ -20,6 +20,9 @@ from priortr.engine.config import PruningConfig, PruningSkippedWarning
 from priortr.host import to_device, to_host
 from priortr.pools import Pool, make_pools
 
+ROW_EVIDENCE = frozenset({"attention", "next_attention", "keys", "final_norm"})
+"""Evidence that reads the text rows after a pool's separator, so the plan lays them out."""
+
 
 @dataclass(frozen=True)
 class PoolRows:
@@ -27,12 +30,14 @@ class PoolRows:
 
     ``prior`` [I]: the row of each item's separator (its tokens' prior Q); ``posterior`` [R]: the
     rows averaged into P (``PruningConfig.posterior_rows``); ``last``: the row of the prompt's last token
-    (FastV's signal).
+    (FastV's signal); ``after`` [R]: the rows from the pool's last separator on, i.e. the text after its
+    items (DART's text pivots).
     """
 
     prior: torch.Tensor
     posterior: torch.Tensor
     last: int
+    after: torch.Tensor
 
 
 @dataclass
@@ -129,7 +134,7 @@ def plan_on_host(
         visual=visual,
         text_tokens=(seq - visual.sum(dim=1)).tolist(),
     )
-    if "attention" in config.method.needs:
+    if config.method.needs & ROW_EVIDENCE:
         _lay_out_rows(host, visual, valid, config, adapter.separator_token)
     return host
 
@@ -173,7 +178,9 @@ def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> P
         chosen = [p for p in rows if p > latest]
     posterior = torch.zeros(width, dtype=torch.bool)
     posterior[[index[p] for p in chosen]] = True
-    return PoolRows(separator_row, posterior, len(rows) - 1)
+    after = torch.zeros(width, dtype=torch.bool)
+    after[[index[p] for p in rows if p >= latest]] = True
+    return PoolRows(separator_row, posterior, len(rows) - 1, after)
 
 
 def _check_separators(

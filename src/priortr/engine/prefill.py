@@ -18,7 +18,14 @@ from priortr.adapters.base import VisionProbe
 from priortr.checks import value_checks_enabled
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.cut import Decision, cut
-from priortr.engine.evidence import attention_at_layer, groups, stage_inputs, vision_evidence
+from priortr.engine.evidence import (
+    attention_at_layer,
+    groups,
+    next_layer_attention,
+    stage_inputs,
+    token_evidence,
+    vision_evidence,
+)
 from priortr.engine.ledger import CacheLedger, write_ledger
 from priortr.engine.plan import PrefillPlan
 from priortr.engine.report import PrefillRecord, Scored
@@ -36,12 +43,14 @@ class Prefill:
         adapter: FamilyAdapter,
         vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None,
         attention_implementation: str,
+        final_norm: torch.nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.config = config
         self.adapter = adapter
         self.vision = vision
         self.implementation = attention_implementation
+        self.final_norm = final_norm
         self.sequence = SequenceMap(
             prompt_length=plan.seq,
             positions=None,
@@ -67,7 +76,8 @@ class Prefill:
         if self.next_stage == index - 1:
             if self.next_stage == BEFORE_LLM:
                 self.cache = kwargs.get("past_key_values")
-            hidden = self.run_stage(args[0] if args else kwargs["hidden_states"])
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = self.run_stage(hidden, layer, kwargs["position_embeddings"])
             if args:
                 args = (hidden, *args[1:])
             else:
@@ -84,21 +94,40 @@ class Prefill:
         return args, kwargs
 
     @torch.no_grad()
-    def run_stage(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Gather evidence -> select -> cut, for every group of pools this stage ranks."""
+    def run_stage(
+        self, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """Gather evidence -> select -> cut, for every group of pools this stage ranks, before
+        ``next_layer`` runs on ``hidden`` with the prompt's RoPE ``rope`` (not yet gathered)."""
         layer = self.pending.pop(0)
         plan, config, method = self.plan, self.config, self.config.method
         with value_checks_enabled(config.strict):
             attention = None
             if "attention" in method.needs:
                 attention = attention_at_layer(plan, self.sequence, self.captured, self.adapter)
+            elif "next_attention" in method.needs:
+                if self.sequence.positions is not None:
+                    rope = tuple(gather_sequence(part, self.sequence.positions) for part in rope)
+                attention = next_layer_attention(plan, self.sequence, hidden, next_layer, rope, self.adapter)
             decisions = []
             for group in groups(plan, self.sequence, layer):
                 vision = None
                 if self.vision is not None:
                     probe, capture = self.vision
                     vision = vision_evidence(capture, probe, plan, group, method.name)
-                inputs = stage_inputs(group, hidden, attention, plan, config, vision)
+                tokens = None
+                if method.needs & {"keys", "final_norm"}:
+                    tokens = token_evidence(
+                        group,
+                        hidden,
+                        plan,
+                        self.sequence,
+                        self.captured,
+                        self.adapter,
+                        self.final_norm,
+                        method.needs,
+                    )
+                inputs = stage_inputs(group, hidden, attention, plan, config, vision, tokens)
                 selection = method.select(inputs, **config.options)
                 if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
                     raise ValueError(

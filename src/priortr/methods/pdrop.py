@@ -3,7 +3,13 @@ Visual Redundancy Reduction", CVPR 2025), and PriorTR's score inside its schedul
 
 The decoder is split into equal stages; at the end of each, the visual tokens the last instruction
 token attends to least are dropped, each stage keeping a ratio lambda of the previous stage's tokens.
-Authors' code: github.com/Cooperx521/PyramidDrop.
+Authors' code: github.com/Cooperx521/PyramidDrop at 6444f304, ``llava/model/modeling_llama_pdrop.py``:
+after decoder layer ``layer_idx`` with ``rank_layer = layer_idx + 1`` in ``layer_list`` (8/16/24 of
+32), ``pdrop_rank_drop`` ranks with layer ``rank_layer`` (the first layer of the next stage): its
+input norm, q/k projections and RoPE applied to ``layer_idx``'s output, the last prompt token's row
+(``prompt_total_len - 1``), float32 softmax over every key, mean over heads, ``topk`` over the image
+tokens. Here the stage scored at layer 7 ranks with the attention of layer 8 on its input
+(``next_attention`` evidence), and its tokens are cut before layer 8 runs.
 """
 
 from __future__ import annotations
@@ -36,13 +42,13 @@ def _pyramid(kept: int, n_visual: int, layer: int, n_layers: int) -> list[tuple[
 @register_method(
     "pdrop",
     where="layers",
-    needs=("attention",),
+    needs=("next_attention",),
     schedule=_pyramid,
     summary="PyramidDrop: last instruction token's attention, several stages of geometric decay",
     source="PyramidDrop, Xing et al., CVPR 2025",
 )
 def _pdrop(inputs: StageInputs) -> Selection:
-    """Each stage keeps the visual tokens the last instruction token attends to most."""
+    """Each stage keeps the visual tokens the last prompt token attends to most in the next layer."""
     return top_k(inputs.attention.last, inputs.budget)
 
 

@@ -22,7 +22,7 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "text_rows", "vision")
+NEEDS = ("attention", "text_rows", "vision", "next_attention", "keys", "final_norm")
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
@@ -41,10 +41,17 @@ class MethodInfo:
         select: the selector; its keyword-only parameters are the method's knobs.
         needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
             layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
-            and/or ``vision`` (the vision tower's [CLS] attention and keys).
+            and/or ``vision`` (the vision tower's [CLS] attention and keys), ``next_attention`` (the
+            same fields as ``attention``, from the attention of the layer after the scored one
+            computed on its input, before it runs), ``keys`` (the scored layer's keys of the visual
+            tokens and of the text rows, and the tokens' prompt positions), ``final_norm`` (the
+            scored layer's output through the language model's final norm, visual tokens and text
+            rows); ``StageInputs`` documents the fields.
         summary, source: one line each for ``priortr methods`` and the README.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
+        layer: the scored layer of a ``layer`` method when the caller names none (its paper's setting);
+            None: the library's default (``engine.config.DEFAULT_LAYER``).
     """
 
     name: str
@@ -55,6 +62,7 @@ class MethodInfo:
     source: str
     schedule: Schedule | None = None
     rule: Rule | None = None
+    layer: int | None = None
 
     @property
     def knobs(self) -> dict[str, object]:
@@ -80,8 +88,10 @@ def register_method(
     summary: str,
     source: str,
     schedule: Schedule | None = None,
+    layer: int | None = None,
 ) -> Callable[[Selector], Selector]:
-    """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError."""
+    """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError.
+    ``layer``: a ``layer`` method's default scored layer (``MethodInfo.layer``)."""
     if where not in WHERE:
         raise ValueError(f"where must be one of {', '.join(WHERE)}; got {where!r}")
     unknown = set(needs) - set(NEEDS)
@@ -89,9 +99,11 @@ def register_method(
         raise ValueError(f"unknown evidence {sorted(unknown)}; options: {', '.join(NEEDS)}")
     if (where == "layers") != (schedule is not None):
         raise ValueError("a 'layers' method needs a schedule, and only a 'layers' method has one")
+    if layer is not None and where != "layer":
+        raise ValueError("only a 'layer' method has a default layer")
 
     def decorator(fn: Selector) -> Selector:
-        _add(MethodInfo(name, where, fn, frozenset(needs), summary, source, schedule))
+        _add(MethodInfo(name, where, fn, frozenset(needs), summary, source, schedule, layer=layer))
         return fn
 
     return decorator
@@ -101,12 +113,16 @@ def _rule_selector(rule: Rule, inputs: StageInputs) -> Selection:
     return top_k(rule(inputs.attention), inputs.budget)
 
 
-def register_rule(name: str, *, summary: str, source: str) -> Callable[[Rule], Rule]:
-    """Decorator registering a scoring rule as a one-layer method keeping its top-K scores."""
+def register_rule(
+    name: str, *, summary: str, source: str, layer: int | None = None
+) -> Callable[[Rule], Rule]:
+    """Decorator registering a scoring rule as a one-layer method keeping its top-K scores;
+    ``layer``: its default scored layer (``MethodInfo.layer``)."""
 
     def decorator(fn: Rule) -> Rule:
         selector = partial(_rule_selector, fn)
-        _add(MethodInfo(name, "layer", selector, frozenset({"attention"}), summary, source, rule=fn))
+        needs = frozenset({"attention"})
+        _add(MethodInfo(name, "layer", selector, needs, summary, source, rule=fn, layer=layer))
         return fn
 
     return decorator
