@@ -46,7 +46,7 @@ def official_cls_attention(tower: Tower) -> torch.Tensor:
 
 
 def outlier_ratio(cls: torch.Tensor) -> float:
-    values = cls.numpy().flatten()
+    values = cls.to(dtype=torch.float32).numpy().flatten()  # as the authors
     q1, q3 = np.percentile(values, 25), np.percentile(values, 75)
     return len(np.where(values > q3 + 1.5 * (q3 - q1))[0]) / len(values)
 
