@@ -22,7 +22,7 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "text_rows", "vision")
+NEEDS = ("attention", "text_rows", "vision", "vision_last", "features")
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
@@ -41,7 +41,10 @@ class MethodInfo:
         select: the selector; its keyword-only parameters are the method's knobs.
         needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
             layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
-            and/or ``vision`` (the vision tower's [CLS] attention and keys).
+            and/or, before the LLM, ``vision`` (the [CLS] attention and keys of the vision layer the
+            model uses), ``vision_last`` (the tower's last layer's [CLS] attention over all heads at
+            once, and its keys: PruMerge's) and ``features`` (the tower's features before the
+            projector, which a ``merge_space='features'`` Selection merges).
         summary, source: one line each for ``priortr methods`` and the README.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
