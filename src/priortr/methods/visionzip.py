@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from priortr.methods.checks import check_bool, check_budget, check_features, check_fraction, check_vision
 from priortr.methods.registry import register_method
-from priortr.methods.tokens import descending
+from priortr.methods.tokens import descending, stack_rows
 from priortr.selection import Selection, StageInputs, keep_all
 
 
@@ -93,6 +93,8 @@ def visionzip(
     n_dominant = budget - n_contextual - int(cls_takes_a_slot)
     if n_dominant + n_contextual < 1:
         raise ValueError(f"visionzip: a budget of {budget} leaves no patch once [CLS] takes its slot")
+    if n_contextual == 0:  # plain pruning: the survivors keep their own embeddings
+        return stack_rows([descending(cls[b])[:n_dominant] for b in range(cls.shape[0])])
     rows = [
         _visionzip_row(cls[b], keys[b].mean(dim=0), n_dominant, n_contextual) for b in range(cls.shape[0])
     ]
