@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
+from priortr.methods import get_method
 from priortr.testbed.data import Sample, iter_images
 
 VANILLA = "vanilla"
@@ -226,7 +227,13 @@ def evaluate(
         pruning = (
             contextlib.nullcontext()
             if cell.method == VANILLA
-            else apply(model, method=cell.method, budget=cell.budget, layer=layer, strict=True)
+            else apply(
+                model,
+                method=cell.method,
+                budget=cell.budget,
+                layer=_layer_of(cell.method, layer),
+                strict=True,
+            )
         )
         with pruning as handle, torch.inference_mode():
             for i in range(0, len(pairs), batch_size):
@@ -240,6 +247,12 @@ def evaluate(
     bar.close()
     dtype = str(model.dtype).removeprefix("torch.")
     return Report(split, model_name, layer, dtype, cells, time.perf_counter() - start)
+
+
+def _layer_of(method: str, layer: int) -> int | None:
+    """``layer`` for a one-layer method; None for methods that prune before the LLM or on their own
+    schedule, which take no layer."""
+    return layer if get_method(method).where == "layer" else None
 
 
 def _visual_tokens(model: nn.Module, rows: int, handle) -> list[int]:
