@@ -32,8 +32,9 @@ class StageInputs:
             after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
             False are padding and must be ignored.
         text_valid: [B, R] bool.
-        vision_cls: [B, N] float32 (float64 for a float64 tower) head-mean attention of the vision tower's [CLS] query over the
-            visual tokens, at the vision layer whose output the model uses; None without a [CLS].
+        vision_cls: [B, N] float32 (float64 for a float64 tower) head-mean attention of the vision
+            tower's [CLS] query over the visual tokens, at the vision layer whose output the model
+            uses; None without a [CLS].
         vision_keys: [B, H, N, d] that vision layer's keys of the visual tokens.
         vision_cls_last: [B, N] the [CLS] attention of the vision tower's last layer, one softmax over
             all heads concatenated (PruMerge's, ``probe.cls_attention_concatenated``).
