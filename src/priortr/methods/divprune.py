@@ -51,8 +51,8 @@ def divprune(inputs: StageInputs) -> Selection:
     Pruning before the language model (their ``LAYER_INDEX=0``), on the LLM input embeddings of the
     visual tokens, i.e. ``inputs.hidden`` of a vision stage. Distance d(i, j) = 1 - cos(h_i, h_j).
     The first token maximises the distance to its nearest other token; each further token maximises
-    the minimum distance to the tokens already
-    chosen (greedy MMDP). The authors' only knob is the kept ratio, here the budget K.
+    the minimum distance to the tokens already chosen (greedy MMDP). The authors' only knob is the
+    kept ratio, here the budget K.
 
     Deviation: tokens already chosen are excluded from later picks, so K distinct tokens are kept
     even when the remaining tokens all duplicate chosen ones (the authors' argmax can then pick a
