@@ -70,7 +70,8 @@ def visionzip(
     projector (``merge_space='features'``), which the projector then maps.
 
     Budget: K = dominant + contextual as the authors count them (README: ``dominant=54, contextual=10``
-    for 64); C = round(K * ``contextual_ratio``), 10/64 (5, 10, 20, 30 for K = 32, 64, 128, 192). The
+    for 64; 108 + 20 and 162 + 30 in llmc's port, ModelTC/LightCompress); C = round(K *
+    ``contextual_ratio``), 10/64 (5, 10, 20, 30 for K = 32, 64, 128, 192). The
     authors' K includes [CLS], for which the language model here has no slot: with
     ``cls_takes_a_slot=True`` (default, the authors' patch set) K - C - 1 dominant patches are kept,
     K - 1 visual tokens in all; ``False`` keeps K - C dominant patches (K tokens, the same count as
