@@ -127,3 +127,21 @@ def prumerge(
         kept.append(selected[order])
         merges.append(_merge_rows(cls[b], keys[b], selected, neighbours)[order])
     return Selection(kept=torch.stack(kept), merge=torch.stack(merges), merge_space="features")
+
+
+@register_method(
+    "prumerge+",
+    where="vision",
+    needs=("vision_last", "features"),
+    summary="PruMerge with spatially uniform tokens added to the [CLS]-attention ones",
+    source="LLaVA-PruMerge+, Shang et al., ICCV 2025",
+)
+def prumerge_plus(inputs: StageInputs, *, adaptive: bool = False, neighbours: int = 32) -> Selection:
+    """PruMerge+ under its own name: :func:`prumerge` with ``plus=True`` (the authors'
+    ``token_prune_merge_advanced_plus``, the one their ``CLIPVisionTower.forward`` calls).
+
+    ``adaptive=True`` is the authors' default (IQR outliers plus their grid, the budget ignored);
+    ``adaptive=False`` keeps K: ceil(K / 4) by [CLS] attention and the rest evenly spaced (no authors'
+    counterpart at a fixed K, see :func:`prumerge`). Knobs: ``adaptive`` (bool), ``neighbours`` (int >= 1).
+    """
+    return prumerge(inputs, adaptive=adaptive, plus=True, neighbours=neighbours)
