@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from priortr.checks import value_checks_enabled
 from priortr.methods.clustering import dpc_knn, kmeans
 from priortr.methods.priortr import priortr_merge
 from priortr.methods.prumerge import prumerge
@@ -575,3 +576,17 @@ def test_every_public_selector_cites_its_paper() -> None:
     for fn, venue in [(visionzip, "CVPR 2025"), (prumerge, "ICCV 2025"), (sparsevlm, "ICML 2025")]:
         assert venue in (fn.__doc__ or "")
     assert "PriorTR+Merging" in (priortr_merge.__doc__ or "")
+
+
+def test_merge_space_decides_whether_rows_must_sum_to_one() -> None:
+    """Hidden-space merges average (rows sum to 1); feature-space merges carry the authors' weights."""
+    kept = torch.tensor([[0, 2]])
+    weights = torch.tensor([[[1.0, 0.5, 0.0], [0.0, 0.0, 1.0]]])
+    with value_checks_enabled(True):
+        assert Selection(kept=kept, merge=weights, merge_space="features").merge_space == "features"
+        with pytest.raises(ValueError, match="sum to 1"):
+            Selection(kept=kept, merge=weights)
+        with pytest.raises(ValueError, match="non-negative"):
+            Selection(kept=kept, merge=-weights, merge_space="features")
+    with pytest.raises(ValueError, match="merge_space must be one of"):
+        Selection(kept=kept, merge=weights, merge_space="pixels")
