@@ -59,12 +59,3 @@ def test_markdown_and_json(tmp_path):
     document = json.loads(paths[0].read_text())
     assert document["cells"][1]["retention"] == pytest.approx(0.5)
     assert paths[2].stat().st_size > 1000
-
-
-def test_only_one_layer_methods_get_the_layer():
-    """Methods that prune before the LLM or on their own schedule refuse a layer; the eval passes none."""
-    from priortr.testbed.evaluate import _layer_of
-
-    assert _layer_of("priortr", 4) == 4
-    assert _layer_of("visionzip", 4) is None
-    assert _layer_of("pdrop", 4) is None
