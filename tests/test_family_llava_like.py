@@ -156,6 +156,9 @@ def test_vision_probe_only_where_cls_maps_onto_the_tokens(models):
     tower = model.model.image_tower
     attention = getattr(tower, "vision_model", tower).encoder.layers[0].self_attn  # feature layer -2 of 2
     assert probe.query_projection is attention.q_proj and probe.first_token == 1
+    last = getattr(tower, "vision_model", tower).encoder.layers[-1].self_attn  # PruMerge's layer
+    assert probe.last_query_projection is last.q_proj and probe.last_key_projection is last.k_proj
+    assert probe.projector is model.model.multi_modal_projector and probe.width == attention.embed_dim
     captured = {}
     handles = [
         probe.query_projection.register_forward_hook(lambda m, a, out: captured.__setitem__("q", out)),

@@ -30,7 +30,8 @@ def _at_angles(*degrees: float, norms: list[float] | None = None) -> torch.Tenso
 
 
 def _inputs(hidden: torch.Tensor, budget: int, vision_cls: torch.Tensor | None = None) -> StageInputs:
-    return StageInputs(budget=budget, hidden=hidden, vision_cls=vision_cls)
+    """Inputs whose features before the projector are ``hidden`` itself (VisPruner compares those)."""
+    return StageInputs(budget=budget, hidden=hidden, vision_cls=vision_cls, vision_features=hidden)
 
 
 def _kept(selection: Selection) -> list[list[int]]:
@@ -63,9 +64,7 @@ def test_batch_equals_each_row_alone(name: str) -> None:
     batch = _random_inputs(12, batch=3, seed=1)
     together = SELECTORS[name](batch).kept
     for row in range(3):
-        alone = StageInputs(
-            budget=12, hidden=batch.hidden[row : row + 1], vision_cls=batch.vision_cls[row : row + 1]
-        )
+        alone = _inputs(batch.hidden[row : row + 1], 12, batch.vision_cls[row : row + 1])
         assert torch.equal(SELECTORS[name](alone).kept[0], together[row])
 
 
@@ -86,8 +85,8 @@ def test_budget_at_least_n_keeps_every_token(name: str, budget: int) -> None:
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_half_precision_input_gives_the_float32_answer(name: str) -> None:
     inputs = _random_inputs(10, seed=3)
-    half = StageInputs(budget=10, hidden=inputs.hidden.half(), vision_cls=inputs.vision_cls.half())
-    rounded = StageInputs(budget=10, hidden=half.hidden.float(), vision_cls=half.vision_cls.float())
+    half = _inputs(inputs.hidden.half(), 10, inputs.vision_cls.half())
+    rounded = _inputs(half.hidden.float(), 10, half.vision_cls.float())
     assert torch.equal(SELECTORS[name](half).kept, SELECTORS[name](rounded).kept)
 
 
@@ -102,7 +101,7 @@ def test_deterministic(name: str) -> None:
 def test_bad_budget_raises(name: str, budget: object) -> None:
     inputs = _random_inputs(1)
     with pytest.raises(ValueError, match="budget"):
-        SELECTORS[name](StageInputs(budget=budget, hidden=inputs.hidden, vision_cls=inputs.vision_cls))
+        SELECTORS[name](_inputs(inputs.hidden, budget, inputs.vision_cls))
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -111,7 +110,7 @@ def test_non_finite_hidden_raises(name: str) -> None:
     hidden = inputs.hidden.clone()
     hidden[1, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        SELECTORS[name](StageInputs(budget=5, hidden=hidden, vision_cls=inputs.vision_cls))
+        SELECTORS[name](_inputs(hidden, 5, inputs.vision_cls))
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -285,6 +284,21 @@ def test_vispruner_without_cls_attention_raises_and_names_alternatives() -> None
     hidden = _vispruner_tokens(token_5=NORTH, token_7=SOUTH_WEST)
     with pytest.raises(ValueError, match=r"inputs\.vision_cls.*use divprune, dart"):
         vispruner(_inputs(hidden, 4))
+
+
+def test_vispruner_without_features_before_the_projector_raises() -> None:
+    hidden = _vispruner_tokens(token_5=NORTH, token_7=SOUTH_WEST)
+    inputs = StageInputs(budget=6, hidden=hidden, vision_cls=CLS_ORDER)
+    with pytest.raises(ValueError, match=r"inputs\.vision_features"):
+        vispruner(inputs)
+
+
+def test_vispruner_compares_the_features_before_the_projector_not_hidden() -> None:
+    """The authors de-duplicate the tower's features; the projector's outputs (hidden) are not read."""
+    features = _vispruner_tokens(token_5=NORTH, token_7=SOUTH_WEST)
+    swapped = _vispruner_tokens(token_5=SOUTH_WEST, token_7=NORTH)
+    inputs = StageInputs(budget=6, hidden=swapped, vision_cls=CLS_ORDER, vision_features=features)
+    assert _kept(vispruner(inputs)) == [[0, 1, 2, 4, 6, 7]]  # as for features alone, not for swapped
 
 
 def test_vispruner_cls_attention_of_the_wrong_shape_raises() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from priortr.checks import value_checks_enabled
 from priortr.methods.clustering import dpc_knn, kmeans
 from priortr.methods.priortr import priortr_merge
 from priortr.methods.prumerge import prumerge
@@ -47,6 +48,9 @@ def _random_inputs(budget: int = 12, batch: int = 2, n_visual: int = 40, seed: i
         text_valid=valid,
         vision_cls=torch.softmax(torch.randn(batch, n_visual, generator=gen), dim=-1),
         vision_keys=torch.randn(batch, 2, n_visual, 4, generator=gen),
+        vision_cls_last=torch.softmax(torch.randn(batch, n_visual, generator=gen), dim=-1),
+        vision_keys_last=torch.randn(batch, n_visual, 6, generator=gen),
+        vision_features=torch.randn(batch, n_visual, 5, generator=gen),
     )
 
 
@@ -63,13 +67,22 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
         text_valid=inputs.text_valid[b : b + 1],
         vision_cls=inputs.vision_cls[b : b + 1],
         vision_keys=inputs.vision_keys[b : b + 1],
+        vision_cls_last=inputs.vision_cls_last[b : b + 1],
+        vision_keys_last=inputs.vision_keys_last[b : b + 1],
+        vision_features=inputs.vision_features[b : b + 1],
     )
 
 
 def _merged(selection: Selection, hidden: torch.Tensor) -> torch.Tensor:
-    """The survivors' hidden states [B, K, D] the engine would compute."""
+    """The survivors' states [B, K, D] the engine would compute (before the projector for a merge in
+    ``features`` space, where ``hidden`` stands for the features)."""
     assert selection.merge is not None
     return selection.merge @ hidden.float()
+
+
+def _count(name: str, budget: int) -> int:
+    """Tokens a method keeps at ``budget``: VisionZip's [CLS] takes one of the authors' K slots."""
+    return budget - 1 if name == "visionzip" else budget
 
 
 def _replace(inputs: StageInputs, **changes: object) -> StageInputs:
@@ -84,15 +97,23 @@ def _replace(inputs: StageInputs, **changes: object) -> StageInputs:
 @pytest.mark.parametrize("budget", [1, 5, 12, 39])
 def test_keeps_exactly_k_with_valid_merge_rows(name: str, budget: int) -> None:
     inputs = _random_inputs(budget=budget)
+    if name == "visionzip" and budget == 1:
+        with pytest.raises(ValueError, match=r"no patch once \[CLS\] takes its slot"):
+            METHODS[name](inputs)
+        return
     selection = METHODS[name](inputs)
+    count = _count(name, budget)
     assert selection.kept.dtype == torch.int64
-    assert tuple(selection.kept.shape) == (2, budget)
+    assert tuple(selection.kept.shape) == (2, count)
     assert bool((selection.kept[:, 1:] > selection.kept[:, :-1]).all())
     if selection.merge is not None:
         merge = selection.merge
-        assert merge.dtype == torch.float32 and tuple(merge.shape) == (2, budget, 40)
+        assert merge.dtype == torch.float32 and tuple(merge.shape) == (2, count, 40)
         assert bool((merge >= 0).all())
-        torch.testing.assert_close(merge.sum(-1), torch.ones(2, budget))
+        if selection.merge_space == "hidden":
+            torch.testing.assert_close(merge.sum(-1), torch.ones(2, count))
+        else:  # the authors' weights: the survivor itself with weight 1, plus what it absorbs
+            assert bool((merge.sum(-1) >= 1).all())
         own = merge.gather(2, selection.kept[:, :, None]).squeeze(2)  # [B, K]
         assert bool((own > 0).all()), "every survivor must merge its own slot"
 
@@ -147,8 +168,17 @@ def test_bad_budget_raises(name: str, budget: object) -> None:
 # --- missing evidence and bad knobs ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", [visionzip, prumerge])
-@pytest.mark.parametrize("missing", ["vision_cls", "vision_keys"])
+@pytest.mark.parametrize(
+    ("method", "missing"),
+    [
+        (visionzip, "vision_cls"),
+        (visionzip, "vision_keys"),
+        (visionzip, "vision_features"),
+        (prumerge, "vision_cls_last"),
+        (prumerge, "vision_keys_last"),
+        (prumerge, "vision_features"),
+    ],
+)
 def test_vision_methods_without_cls_evidence_raise(method: Callable[..., Selection], missing: str) -> None:
     inputs = _replace(_random_inputs(), **{missing: None})
     with pytest.raises(ValueError, match=rf"{missing}.*no \[CLS\].*divprune"):
@@ -283,26 +313,38 @@ VZ_HIDDEN = torch.arange(8 * 3, dtype=torch.float32).reshape(1, 8, 3) ** 1.5
 
 
 def _vz_inputs(budget: int = 4) -> StageInputs:
-    return StageInputs(budget=budget, hidden=VZ_HIDDEN, vision_cls=VZ_CLS, vision_keys=VZ_KEYS)
+    return StageInputs(
+        budget=budget, hidden=VZ_HIDDEN, vision_cls=VZ_CLS, vision_keys=VZ_KEYS, vision_features=VZ_HIDDEN
+    )
 
 
 def test_visionzip_dominant_and_contextual_groups_by_hand() -> None:
-    selection = visionzip(_vz_inputs(), contextual_ratio=0.5)
+    selection = visionzip(_vz_inputs(), contextual_ratio=0.5, cls_takes_a_slot=False)
     assert selection.kept.tolist() == [[0, 1, 2, 5]]
+    assert selection.merge_space == "features"
     h = VZ_HIDDEN[0]
-    expected = torch.stack([h[0], h[[1, 3, 6]].mean(0), h[2], h[[5, 4, 7]].mean(0)])
+    # the authors' contextual token: the target plus the mean of the tokens that joined it
+    expected = torch.stack([h[0], h[1] + h[[3, 6]].mean(0), h[2], h[5] + h[[4, 7]].mean(0)])
     torch.testing.assert_close(_merged(selection, VZ_HIDDEN)[0], expected)
     assert selection.merge[0, 0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]  # dominant rows are one-hot
-    assert not torch.allclose(_merged(selection, VZ_HIDDEN)[0, 1], h[1])  # negative control: 1 merged
+    mean_of_all = h[[1, 3, 6]].mean(0)  # negative control: the library's earlier average
+    assert not torch.allclose(_merged(selection, VZ_HIDDEN)[0, 1], mean_of_all)
+
+
+def test_visionzip_cls_takes_one_of_the_dominant_slots() -> None:
+    # K = 4, C = 2: [CLS] + 1 dominant patch (0); the rest 1..7 in order, step 3: targets 1 and 4
+    selection = visionzip(_vz_inputs(), contextual_ratio=0.5)
+    assert selection.kept.tolist() == [[0, 1, 4]]
 
 
 def test_visionzip_without_contextual_tokens_is_top_k_cls() -> None:
-    selection = visionzip(_vz_inputs(), contextual_ratio=0.0)
+    selection = visionzip(_vz_inputs(), contextual_ratio=0.0, cls_takes_a_slot=False)
     assert selection.kept.tolist() == [[0, 1, 2, 7]]
     assert selection.merge is None
+    assert visionzip(_vz_inputs(), contextual_ratio=0.0).kept.tolist() == [[0, 2, 7]]
 
 
-def test_visionzip_default_split_is_54_plus_10_for_64() -> None:
+def test_visionzip_default_split_is_53_plus_cls_plus_10_for_64() -> None:
     n_visual = 576
     cls = torch.linspace(1.0, 0.0, n_visual)[None]  # token i ranks i-th
     inputs = StageInputs(
@@ -310,30 +352,38 @@ def test_visionzip_default_split_is_54_plus_10_for_64() -> None:
         hidden=torch.randn(1, n_visual, 4),
         vision_cls=cls,
         vision_keys=torch.ones(1, 1, n_visual, 2),
+        vision_features=torch.randn(1, n_visual, 3),
     )
     kept = visionzip(inputs).kept[0].tolist()
-    targets = [54 + 52 * i for i in range(10)]  # R = 522 remaining, step 522 // 10 = 52
-    assert kept == list(range(54)) + targets
+    targets = [53 + 52 * i for i in range(10)]  # R = 523 remaining, step 523 // 10 = 52
+    assert kept == list(range(53)) + targets
 
 
 # --- PruMerge by hand -----------------------------------------------------------------------------
 
-# Six tokens, keys of two heads with one dimension each, so the cosine is over the concatenation
-# (x, y). [CLS] attention keeps 0 and 2. Nearest by key: 0 -> 4, 1 and 2 -> 3, 5.
+# Six tokens whose last-layer keys (all heads concatenated) are (x, y). [CLS] attention keeps 0 and 2.
+# Nearest by key: 0 -> 4, 1 and 2 -> 3, 5.
 PM_CLS = torch.tensor([[0.40, 0.10, 0.30, 0.05, 0.10, 0.05]])
-PM_XY = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.95, 0.05], [0.2, 0.8]])
-PM_KEYS = PM_XY.T[None, :, :, None]  # [1, 2, 6, 1]
+PM_KEYS = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.95, 0.05], [0.2, 0.8]])[None]
 PM_HIDDEN = torch.tensor([[[6.0, 0.0], [0.0, 12.0], [3.0, 3.0], [24.0, 0.0], [0.0, 36.0], [48.0, 6.0]]])
 
 
+def _pm_inputs(budget: int, cls: torch.Tensor, keys: torch.Tensor, features: torch.Tensor) -> StageInputs:
+    hidden = torch.randn(*features.shape[:2], 3)
+    return StageInputs(
+        budget=budget, hidden=hidden, vision_cls_last=cls, vision_keys_last=keys, vision_features=features
+    )
+
+
 def test_prumerge_neighbours_weighted_by_cls_attention_by_hand() -> None:
-    inputs = StageInputs(budget=2, hidden=PM_HIDDEN, vision_cls=PM_CLS, vision_keys=PM_KEYS)
-    selection = prumerge(inputs, neighbours=2)
+    selection = prumerge(_pm_inputs(2, PM_CLS, PM_KEYS, PM_HIDDEN), neighbours=2)
     assert selection.kept.tolist() == [[0, 2]]
+    assert selection.merge_space == "features"
     h = PM_HIDDEN[0]
-    centre_0 = (1.0 * h[0] + 0.10 * h[4] + 0.10 * h[1]) / 1.20
-    centre_2 = (1.0 * h[2] + 0.05 * h[3] + 0.05 * h[5]) / 1.10
+    centre_0 = h[0] + 0.10 * h[4] + 0.10 * h[1]  # the authors' x_i + sum_j a_j x_j, not normalised
+    centre_2 = h[2] + 0.05 * h[3] + 0.05 * h[5]
     torch.testing.assert_close(_merged(selection, PM_HIDDEN)[0], torch.stack([centre_0, centre_2]))
+    assert not torch.allclose(_merged(selection, PM_HIDDEN)[0, 0], centre_0 / 1.2)  # the earlier mean
 
 
 def _outlier_cls(n_outliers: int) -> torch.Tensor:
@@ -344,21 +394,14 @@ def _outlier_cls(n_outliers: int) -> torch.Tensor:
 
 
 def test_prumerge_adaptive_keeps_the_iqr_outliers_whatever_the_budget() -> None:
-    inputs = StageInputs(
-        budget=5,
-        hidden=torch.randn(1, 12, 3),
-        vision_cls=_outlier_cls(2)[None],
-        vision_keys=torch.randn(1, 2, 12, 2),
-    )
+    inputs = _pm_inputs(5, _outlier_cls(2)[None], torch.randn(1, 12, 4), torch.randn(1, 12, 3))
     assert prumerge(inputs, adaptive=True).kept.tolist() == [[10, 11]]
     assert prumerge(inputs).kept.shape[1] == 5  # negative control: the fixed budget keeps K
 
 
 def test_prumerge_adaptive_with_different_counts_per_image_raises() -> None:
     cls = torch.stack([_outlier_cls(2), _outlier_cls(3)])
-    inputs = StageInputs(
-        budget=5, hidden=torch.randn(2, 12, 3), vision_cls=cls, vision_keys=torch.randn(2, 2, 12, 2)
-    )
+    inputs = _pm_inputs(5, cls, torch.randn(2, 12, 4), torch.randn(2, 12, 3))
     with pytest.raises(ValueError, match="one per batch"):
         prumerge(inputs, adaptive=True)
 
@@ -366,20 +409,24 @@ def test_prumerge_adaptive_with_different_counts_per_image_raises() -> None:
 def test_prumerge_plus_fixed_budget_adds_evenly_spaced_tokens() -> None:
     cls = torch.full((1, 16), 0.01)
     cls[0, 0], cls[0, 5] = 0.5, 0.4
-    inputs = StageInputs(
-        budget=8, hidden=torch.randn(1, 16, 3), vision_cls=cls, vision_keys=torch.randn(1, 2, 16, 2)
-    )
+    inputs = _pm_inputs(8, cls, torch.randn(1, 16, 4), torch.randn(1, 16, 3))
     # ceil(8 / 4) = 2 by [CLS] (0, 5); 6 more at positions floor((i + 0.5) * 14 / 6) of the other 14 tokens
     assert prumerge(inputs, plus=True).kept.tolist() == [[0, 2, 4, 5, 7, 10, 12, 14]]
 
 
 def test_prumerge_plus_adaptive_adds_the_authors_grid() -> None:
-    cls = _outlier_cls(2)[None]
-    inputs = StageInputs(
-        budget=5, hidden=torch.randn(1, 12, 3), vision_cls=cls, vision_keys=torch.randn(1, 2, 12, 2)
-    )
-    # outliers 10, 11; stride (12 // 2) // 3 = 2: grid 0, 2, 4, 6, 8, 10 (10 already kept)
+    inputs = _pm_inputs(5, _outlier_cls(2)[None], torch.randn(1, 12, 4), torch.randn(1, 12, 3))
+    # outliers 10, 11: ratio 2 / 12, int(int(1 / ratio) / 3) = 2: grid arange(0, 11, 2), 10 already kept
     assert prumerge(inputs, adaptive=True, plus=True).kept.tolist() == [[0, 2, 4, 6, 8, 10, 11]]
+
+
+def test_prumerge_plus_grid_stops_before_the_last_token() -> None:
+    """The authors' grid is ``arange(0, 575, step)`` for 576 tokens: the last token is never a grid
+    token, even when the step divides N - 1 (one outlier of 16: stride int(16 / 3) = 5, 15 = 3 * 5)."""
+    cls = torch.full((1, 16), 0.01)
+    cls[0, 7] = 0.9
+    inputs = _pm_inputs(5, cls, torch.randn(1, 16, 4), torch.randn(1, 16, 3))
+    assert prumerge(inputs, adaptive=True, plus=True).kept.tolist() == [[0, 5, 7, 10]]
 
 
 # --- SparseVLM and PriorTR+Merging by hand ----------------------------------------------------------
@@ -529,3 +576,17 @@ def test_every_public_selector_cites_its_paper() -> None:
     for fn, venue in [(visionzip, "CVPR 2025"), (prumerge, "ICCV 2025"), (sparsevlm, "ICML 2025")]:
         assert venue in (fn.__doc__ or "")
     assert "PriorTR+Merging" in (priortr_merge.__doc__ or "")
+
+
+def test_merge_space_decides_whether_rows_must_sum_to_one() -> None:
+    """Hidden-space merges average (rows sum to 1); feature-space merges carry the authors' weights."""
+    kept = torch.tensor([[0, 2]])
+    weights = torch.tensor([[[1.0, 0.5, 0.0], [0.0, 0.0, 1.0]]])
+    with value_checks_enabled(True):
+        assert Selection(kept=kept, merge=weights, merge_space="features").merge_space == "features"
+        with pytest.raises(ValueError, match="sum to 1"):
+            Selection(kept=kept, merge=weights)
+        with pytest.raises(ValueError, match="non-negative"):
+            Selection(kept=kept, merge=-weights, merge_space="features")
+    with pytest.raises(ValueError, match="merge_space must be one of"):
+        Selection(kept=kept, merge=weights, merge_space="pixels")

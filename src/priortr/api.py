@@ -14,6 +14,7 @@ from priortr.engine import (
     DEFAULT_LAYER,
     HEAD_AGGREGATIONS,
     POSTERIOR_ROWS,
+    VISION_NEEDS,
     PruneResult,
     PruningConfig,
     PruningEngine,
@@ -106,7 +107,7 @@ def apply(
     layer = _check_layer(info, layer, n_layers)
     stages = _check_stages(info, stages, n_layers)
     options = _check_options(info, options)
-    if "vision" in info.needs and adapter.vision_probe(model) is None:
+    if info.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
         raise ValueError(
             f"{method} ranks by the vision tower's [CLS] attention, and this {adapter.name} model's vision "
             "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"

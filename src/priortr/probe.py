@@ -90,11 +90,31 @@ def cls_attention(
     """The vision tower's [CLS] attention over its tokens, and their keys, from the q/k projections.
 
     ViT attention has no mask; the [CLS] token is token 0. Returns the head-mean [CLS] row over tokens
-    ``first_token ..`` [B, N] (float32, softmax over every token as the tower computes it) and the keys
-    of those tokens [B, H, N, d], as VisionZip and PruMerge read them (Yang et al., CVPR 2025).
+    ``first_token ..`` [B, N] (float32, or float64 for a float64 tower; softmax over every token as the
+    tower computes it) and the keys of those tokens [B, H, N, d], as VisionZip and VisPruner read them
+    (Yang et al., CVPR 2025; Zhang et al., ICCV 2025).
     """
     batch, tokens, width = key_out.shape
-    keys = key_out.float().view(batch, tokens, heads, width // heads).transpose(1, 2)  # [B, H, T, d]
-    cls = query_out[:, :1].float().view(batch, 1, heads, width // heads).transpose(1, 2)  # [B, H, 1, d]
+    dtype = torch.promote_types(key_out.dtype, torch.float32)
+    keys = key_out.to(dtype).view(batch, tokens, heads, width // heads).transpose(1, 2)  # [B, H, T, d]
+    cls = query_out[:, :1].to(dtype).view(batch, 1, heads, width // heads).transpose(1, 2)  # [B, H, 1, d]
     row = torch.softmax(torch.matmul(cls, keys.transpose(-1, -2)) * scaling, dim=-1)  # [B, H, 1, T]
     return row[:, :, 0, first_token:].mean(dim=1), keys[:, :, first_token:]
+
+
+def cls_attention_concatenated(
+    query_out: torch.Tensor, key_out: torch.Tensor, width: int, first_token: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PruMerge's [CLS] attention: one softmax of the [CLS] query against every key, all heads
+    concatenated, scaled by ``width ** -0.5``; and the keys, heads concatenated.
+
+    The authors (github.com/42Shawn/LLaVA-PruMerge, ``clip_encoder.py``, ``token_prune_merge_advanced``)
+    hook the q/k projections of the tower's last layer and compute ``softmax(q @ k^T * C ** -0.5)`` on
+    the full projections, not per head. Returns the [CLS] row over tokens ``first_token ..`` [B, N]
+    (float32 or float64, softmax over every token) and those tokens' keys [B, N, C].
+    """
+    dtype = torch.promote_types(key_out.dtype, torch.float32)
+    keys = key_out.to(dtype)  # [B, T, C]
+    cls = query_out[:, :1].to(dtype)  # [B, 1, C]
+    row = torch.softmax(torch.matmul(cls, keys.transpose(-1, -2)) * width**-0.5, dim=-1)  # [B, 1, T]
+    return row[:, 0, first_token:], keys[:, first_token:]

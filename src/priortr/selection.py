@@ -15,6 +15,8 @@ import torch
 from priortr.checks import value_checks
 from priortr.scoring import Evidence, select_top_k
 
+MERGE_SPACES = ("hidden", "features")
+
 
 @dataclass(frozen=True)
 class StageInputs:
@@ -30,8 +32,9 @@ class StageInputs:
             after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
             False are padding and must be ignored.
         text_valid: [B, R] bool.
-        vision_cls: [B, N] float32 head-mean attention of the vision tower's [CLS] query over the
-            visual tokens, at the vision layer whose output the model uses; None without a [CLS].
+        vision_cls: [B, N] float32 (float64 for a float64 tower) head-mean attention of the vision
+            tower's [CLS] query over the visual tokens, at the vision layer whose output the model
+            uses; None without a [CLS].
         vision_keys: [B, H, N, d] that vision layer's keys of the visual tokens.
         keys: [B, N, H_kv * d] the scored layer's keys of the visual tokens (after the family's k-norm
             and RoPE, every kv head side by side); ``text_keys`` [B, R, H_kv * d] those of the text rows
@@ -41,6 +44,11 @@ class StageInputs:
             first non-padding token; ``text_prompt_positions`` [B, R] those of the text rows.
         normed: [B, N, D] the scored layer's output through the language model's final norm;
             ``text_normed`` [B, R, D] those of the text rows.
+        vision_cls_last: [B, N] the [CLS] attention of the vision tower's last layer, one softmax over
+            all heads concatenated (PruMerge's, ``probe.cls_attention_concatenated``).
+        vision_keys_last: [B, N, C] that layer's keys, heads concatenated.
+        vision_features: [B, N, C] the vision tower's features before the projector (the projector
+            maps them to ``hidden`` at a stage before the LLM).
         seed: seed for any randomness (random baselines, K-means initialisation).
     """
 
@@ -58,6 +66,9 @@ class StageInputs:
     text_prompt_positions: torch.Tensor | None = None
     normed: torch.Tensor | None = None
     text_normed: torch.Tensor | None = None
+    vision_cls_last: torch.Tensor | None = None
+    vision_keys_last: torch.Tensor | None = None
+    vision_features: torch.Tensor | None = None
     seed: int = 0
 
     @property
@@ -75,6 +86,9 @@ class Selection:
             with non-negative rows summing to 1: survivor k's hidden state becomes
             ``merge[b, k] @ hidden[b]`` (token merging). A survivor's KV-cache entries of earlier
             layers are its own; only the hidden state that later layers see is merged.
+        merge_space: ``hidden`` (the rows average ``hidden``) or ``features`` (a stage before the
+            LLM: the rows combine ``vision_features``, with any non-negative weights, as the authors
+            of VisionZip and PruMerge merge before the projector, and the projector maps the result).
         scores: [B, N] float32 the scores the selector ranked by, when it ranks by one score
             (reported in ``handle.last`` and drawn by ``priortr viz``); None otherwise.
     """
@@ -82,6 +96,7 @@ class Selection:
     kept: torch.Tensor
     merge: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    merge_space: str = "hidden"
 
     def __post_init__(self) -> None:
         """Reject a decision the engine could not apply consistently."""
@@ -94,14 +109,18 @@ class Selection:
                 f"Selection.merge must be [B, K, N] with [B, K] = {tuple(kept.shape)}, "
                 f"got {tuple(merge.shape)}"
             )
+        if self.merge_space not in MERGE_SPACES:
+            raise ValueError(f"Selection.merge_space must be one of {MERGE_SPACES}, got {self.merge_space!r}")
         if not value_checks():
             return
         if kept.shape[1] > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
             raise ValueError("Selection.kept must be strictly ascending in every row")
         if merge is not None:
+            if bool((merge < 0).any()):
+                raise ValueError("Selection.merge rows must be non-negative")
             ones = torch.ones((), dtype=merge.dtype, device=merge.device)
-            if bool((merge < 0).any()) or not torch.allclose(merge.sum(-1), ones, atol=1e-4):
-                raise ValueError("Selection.merge rows must be non-negative and sum to 1")
+            if self.merge_space == "hidden" and not torch.allclose(merge.sum(-1), ones, atol=1e-4):
+                raise ValueError("Selection.merge rows must sum to 1 (merge_space='hidden')")
 
 
 def top_k(scores: torch.Tensor, budget: int) -> Selection:

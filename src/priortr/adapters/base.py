@@ -15,10 +15,14 @@ from torch import nn
 
 @dataclass(frozen=True)
 class VisionProbe:
-    """Where a family's vision tower exposes the [CLS] attention that pre-LLM methods rank by.
+    """Where a family's vision tower exposes the evidence that pre-LLM methods rank and merge by.
 
-    ``attention`` is the self-attention of the vision layer whose output the model uses; its query and
-    key projections are hooked. ``first_token`` is the first vision-tower token that becomes a visual
+    ``query_projection`` / ``key_projection`` belong to the self-attention of the vision layer whose
+    output the model uses (the feature layer: VisionZip, VisPruner), ``last_query_projection`` /
+    ``last_key_projection`` to the tower's last layer (PruMerge hooks ``layers[23]`` of CLIP-L);
+    ``width`` is the tower's hidden size. ``projector`` maps the tower's features to the language
+    model's embeddings; its input, the features before the projector, is captured for methods that
+    compare or merge them there. ``first_token`` is the first vision-tower token that becomes a visual
     token of the language model (1 when the [CLS] token itself is dropped).
     """
 
@@ -27,6 +31,10 @@ class VisionProbe:
     heads: int
     scaling: float
     first_token: int
+    last_query_projection: nn.Module
+    last_key_projection: nn.Module
+    width: int
+    projector: nn.Module
 
 
 @dataclass(frozen=True)

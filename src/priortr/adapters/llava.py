@@ -13,10 +13,11 @@ class LlavaAdapter(FamilyAdapter):
 
     def vision_probe(self, model: nn.Module) -> VisionProbe | None:
         """The self-attention of the CLIP layer whose output LLaVA projects (``vision_feature_layer``, the
-        penultimate by default), the layer VisionZip, PruMerge and VisPruner read [CLS] attention from.
-        None for towers without a class embedding (SigLIP) or multi-layer features."""
+        penultimate by default; VisionZip and VisPruner read its [CLS] attention), that of the last layer
+        (PruMerge's) and the projector. None for towers without a class embedding (SigLIP) or
+        multi-layer features."""
         config = model.config
-        tower = self.vision_modules(model)[0]  # vision_tower (Video-LLaVA: image_tower)
+        tower, projector = self.vision_modules(model)  # vision_tower (Video-LLaVA: image_tower)
         tower = getattr(tower, "vision_model", tower)  # CLIPVisionModel nests it in older releases
         feature_layer = config.vision_feature_layer
         embeddings = getattr(tower, "embeddings", None)
@@ -26,9 +27,19 @@ class LlavaAdapter(FamilyAdapter):
         index = feature_layer % (len(layers) + 1) - 1  # hidden_states[i] is the output of layer i - 1
         if index < 0:
             return None
-        attention = layers[index].self_attn
+        attention, last = layers[index].self_attn, layers[-1].self_attn
         first = 1 if config.vision_feature_select_strategy == "default" else 0
-        return VisionProbe(attention.q_proj, attention.k_proj, attention.num_heads, attention.scale, first)
+        return VisionProbe(
+            query_projection=attention.q_proj,
+            key_projection=attention.k_proj,
+            heads=attention.num_heads,
+            scaling=attention.scale,
+            first_token=first,
+            last_query_projection=last.q_proj,
+            last_key_projection=last.k_proj,
+            width=attention.embed_dim,
+            projector=projector,
+        )
 
     def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
         """A square grid of CLIP patches, side ``image_size // patch_size`` (24 x 24 for LLaVA-1.5 at 336 px);

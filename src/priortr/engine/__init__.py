@@ -9,7 +9,7 @@ in the order a prefill meets them:
   the attention rows to recompute.
 * ``prefill``: the stages, between decoder layers; each reads gather evidence -> select -> cut.
 * ``evidence``: what a selector sees (``StageInputs``): recomputed attention rows (Q, P, last row),
-  hidden states, the vision tower's [CLS] attention.
+  hidden states, the vision tower's [CLS] attention, keys and features (``VISION_NEEDS``).
 * ``cut``: hidden states, sequence map and KV cache narrowed to the kept tokens; ``sequence``: the map
   between prompt positions and current columns.
 * ``ledger``: what later calls (decode steps, chat turns) need to continue a pruned cache.
@@ -24,6 +24,7 @@ from priortr.engine.config import (
     PruningConfig,
     PruningSkippedWarning,
 )
+from priortr.engine.evidence import VISION_NEEDS
 from priortr.engine.hooks import PruningEngine
 from priortr.engine.report import PruneResult, StageResult
 
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_LAYER",
     "HEAD_AGGREGATIONS",
     "POSTERIOR_ROWS",
+    "VISION_NEEDS",
     "PruneResult",
     "PruningConfig",
     "PruningEngine",

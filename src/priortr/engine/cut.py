@@ -9,6 +9,7 @@ longest keep some pruned tokens as fillers (ragged batches), masked from every q
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +26,14 @@ from priortr.surgery import compact_cache_layer, gather_sequence
 
 @dataclass(frozen=True)
 class Decision:
-    """A selector's ``selection`` for ``group``, with the hidden states it saw (for merges)."""
+    """A selector's ``selection`` for ``group``, with the hidden states it saw (for merges); a merge
+    in ``features`` space combines ``features`` and maps the result through ``project``."""
 
     group: Group
     selection: Selection
     hidden: torch.Tensor
+    features: torch.Tensor | None = None
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def cut(
@@ -84,11 +88,28 @@ def cut(
 def _merge(out: torch.Tensor, slot: torch.Tensor, decision: Decision) -> None:
     """Write the merged hidden states of the group's survivors into their new columns of ``out``."""
     group, selection = decision.group, decision.selection
-    dtype = torch.promote_types(out.dtype, torch.float32)
-    merged = torch.matmul(selection.merge.to(out.device, dtype), decision.hidden.to(out.device, dtype))
+    if selection.merge_space == "features":
+        merged = _merge_features(decision)
+    else:
+        dtype = torch.promote_types(out.dtype, torch.float32)
+        merged = torch.matmul(selection.merge.to(out.device, dtype), decision.hidden.to(out.device, dtype))
     kept_columns = group.columns.gather(1, selection.kept.to(group.columns.device))  # [G, k]
     rows = group.rows[:, None]
     out[rows, slot[rows, kept_columns]] = merged.to(out.dtype)
+
+
+def _merge_features(decision: Decision) -> torch.Tensor:
+    """The survivors' embeddings when the merge combines the features before the projector."""
+    features, project = decision.features, decision.project
+    if features is None or project is None:
+        raise ValueError(
+            "a merge in 'features' space needs the vision tower's features and the projector; declare "
+            "'features' among the method's needs"
+        )
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    weights = decision.selection.merge.to(features.device, dtype)
+    merged = torch.matmul(weights, features.to(dtype))  # [G, k, C]
+    return project(merged.to(features.dtype))  # [G, k, D]
 
 
 def _narrow(decision: Decision) -> None:

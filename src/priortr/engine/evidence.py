@@ -5,7 +5,8 @@ layer's query and key projections are captured as the layer runs, RoPE is applie
 it, and only the text rows from the earliest separator on are pushed through a softmax with the causal
 and padding masks applied explicitly (``priortr.probe``). Out of those rows each pool takes its prior Q
 (its item's separator row), the rows averaged into its posterior P and the last prompt token's row.
-Methods ranked by the vision tower read its [CLS] attention, captured when the tower ran.
+Methods ranked by the vision tower read its [CLS] attention, keys and features, captured when the tower
+ran (``VISION_NEEDS``).
 
 Pools with the same size and budget at a stage form one ``Group``: one selector call ranks them all.
 """
@@ -24,8 +25,9 @@ from priortr.engine.config import PruningConfig
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.sequence import SequenceMap
 from priortr.host import to_device
+from priortr.methods import MethodInfo
 from priortr.pools import Pool
-from priortr.probe import RowSpec, apply_rope, attention_rows, cls_attention
+from priortr.probe import RowSpec, apply_rope, attention_rows, cls_attention, cls_attention_concatenated
 from priortr.scoring import aggregate_heads, build_evidence
 from priortr.selection import StageInputs
 from priortr.surgery import gather_sequence
@@ -246,36 +248,61 @@ def per_item_prior(prior: torch.Tensor, item_of: torch.Tensor, n_items: int) -> 
     return prior / mass[:, item_of] * share[item_of]
 
 
+VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
+"""Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
+
+
 def vision_evidence(
-    capture: dict[str, torch.Tensor], probe: VisionProbe, plan: PrefillPlan, group: Group, method: str
+    capture: dict[str, torch.Tensor],
+    probe: VisionProbe,
+    plan: PrefillPlan,
+    group: Group,
+    method: MethodInfo,
 ) -> dict[str, torch.Tensor]:
-    """The vision tower's [CLS] attention and keys over each of the group's tokens, captured when it ran;
-    the tower encodes the batch's images in prompt order, one image per item."""
-    if "q" not in capture or "k" not in capture:
+    """What the tower showed of each of the group's tokens when it ran, for the evidence ``method``
+    needs: the feature layer's [CLS] attention and keys (``vision``), the last layer's [CLS] attention
+    over all heads at once and its keys (``vision_last``, PruMerge), the features before the projector
+    (``features``). The tower encodes the batch's images in prompt order, one image per item."""
+    per_image: dict[str, torch.Tensor] = {}  # name -> [I, N, ...] one row per tower image
+    needs = method.needs
+    wanted = {"vision": ("q", "k"), "vision_last": ("q_last", "k_last"), "features": ("features",)}
+    if any(name not in capture for need in needs & VISION_NEEDS for name in wanted[need]):
         raise ValueError(
-            f"method {method!r} needs the vision tower's attention, but the tower did not run for this "
+            f"method {method.name!r} needs the vision tower's evidence, but the tower did not run for this "
             "prompt; pass pixel_values (not precomputed image features)"
         )
-    cls, keys = cls_attention(capture["q"], capture["k"], probe.heads, probe.scaling, probe.first_token)
+    if "vision" in needs:
+        cls, keys = cls_attention(capture["q"], capture["k"], probe.heads, probe.scaling, probe.first_token)
+        per_image["vision_cls"], per_image["vision_keys"] = cls, keys.transpose(1, 2)  # [I, N, H, d]
+    if "vision_last" in needs:
+        cls, keys = cls_attention_concatenated(
+            capture["q_last"], capture["k_last"], probe.width, probe.first_token
+        )
+        per_image["vision_cls_last"], per_image["vision_keys_last"] = cls, keys
+    if "features" in needs:
+        per_image["vision_features"] = capture["features"]
     images = [item for pool in plan.pools for item in pool.items]
-    if any(item.modality != "image" for item in images) or len(images) != cls.shape[0]:
+    counts = {tuple(value.shape[:2]) for value in per_image.values()}
+    n_images, n_tokens = counts.pop() if len(counts) == 1 else (-1, -1)
+    if any(item.modality != "image" for item in images) or len(images) != n_images:
         raise ValueError(
-            f"the vision tower saw {cls.shape[0]} images but the prompts hold {len(images)} visual "
+            f"the vision tower saw {n_images} images but the prompts hold {len(images)} visual "
             "items; [CLS]-ranked methods need one tower image per prompt image"
         )
-    if max(item.size for item in images) > cls.shape[1]:
+    if max(item.size for item in images) > n_tokens:
         raise ValueError(
-            f"the vision tower gave {cls.shape[1]} tokens per image but an image has more visual "
+            f"the vision tower gave {n_tokens} tokens per image but an image has more visual "
             "tokens in the prompt; use the processor's image size"
         )
     slot = {id(item): index for index, item in enumerate(images)}
     image_of = torch.zeros(len(group.pools), max(len(pool.items) for pool in group.pools), dtype=torch.long)
     for g, pool in enumerate(group.pools):
         image_of[g, : len(pool.items)] = torch.tensor([slot[id(item)] for item in pool.items])
-    image = to_device(image_of, cls.device)  # [G, I] tower image of each item
-    image = image.gather(1, group.item_of.to(cls.device))  # [G, n] tower image of each token
-    offset = group.offset.to(cls.device)
-    return {
-        "vision_cls": cls[image, offset],  # [G, n]
-        "vision_keys": keys[image, :, offset].permute(0, 2, 1, 3),  # [G, H, n, d]
-    }
+    device = next(iter(per_image.values())).device
+    image = to_device(image_of, device)  # [G, I] tower image of each item
+    image = image.gather(1, group.item_of.to(device))  # [G, n] tower image of each token
+    offset = group.offset.to(device)
+    out = {name: value[image, offset] for name, value in per_image.items()}  # [G, n, ...]
+    if "vision_keys" in out:
+        out["vision_keys"] = out["vision_keys"].permute(0, 2, 1, 3)  # [G, H, n, d]
+    return out

@@ -19,7 +19,9 @@ from torch.utils.hooks import RemovableHandle
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
+from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.evidence import VISION_NEEDS
 from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
@@ -35,7 +37,7 @@ class PruningEngine:
         self.config = config
         self.multimodal = adapter.multimodal_model(model)
         self.layers = adapter.decoder_layers(model)
-        self.vision = adapter.vision_probe(model) if "vision" in config.method.needs else None
+        self.vision = adapter.vision_probe(model) if config.method.needs & VISION_NEEDS else None
         self._parameters = tuple(inspect.signature(self.multimodal.forward).parameters)
         text_config = model.config.get_text_config()
         self._attention_implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
@@ -55,17 +57,14 @@ class PruningEngine:
     def attach(self) -> None:
         self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         if self.vision is not None:
-            self._permanent += [
-                self.vision.query_projection.register_forward_hook(self._capture_vision("q")),
-                self.vision.key_projection.register_forward_hook(self._capture_vision("k")),
-            ]
+            self._permanent += vision_hooks(self.vision, self.config.method.needs, self._vision_capture)
 
     def detach(self) -> None:
         self._disarm()
         for handle in self._permanent:
             handle.remove()
         self._permanent = []
-        self._vision_capture = {}
+        self._vision_capture.clear()
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._armed:
@@ -93,7 +92,7 @@ class PruningEngine:
         if not empty:
             return None  # images on a cache this engine did not prune: no prefill to plan
         if compat.has_raw_pixels(call):
-            self._vision_capture = {}  # the tower runs inside this call; generate() runs it before
+            self._vision_capture.clear()  # the tower runs inside this call; generate() runs it before
         plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
         if plan is None:
             return None
@@ -131,7 +130,7 @@ class PruningEngine:
 
     def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._disarm()
-        self._vision_capture = {}
+        self._vision_capture.clear()
 
     @staticmethod
     def _before_layer(prefill: Prefill, index: int) -> Callable:
@@ -140,11 +139,38 @@ class PruningEngine:
 
         return hook
 
-    def _capture_vision(self, name: str) -> Callable:
+
+def vision_hooks(probe: VisionProbe, needs: frozenset[str], capture: dict[str, torch.Tensor]) -> list:
+    """Permanent hooks keeping, each time the vision tower runs, the tensors ``needs`` asks for:
+    the feature layer's q/k (``vision``), the last layer's q/k (``vision_last``) and the projector's
+    input (``features``). They only keep references; the stage reads them once per prefill."""
+
+    def output_of(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            self._vision_capture[name] = output
+            capture[name] = output
 
         return hook
+
+    def input_of(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            capture[name] = args[0]
+
+        return hook
+
+    handles = []
+    if "vision" in needs:
+        handles += [
+            probe.query_projection.register_forward_hook(output_of("q")),
+            probe.key_projection.register_forward_hook(output_of("k")),
+        ]
+    if "vision_last" in needs:
+        handles += [
+            probe.last_query_projection.register_forward_hook(output_of("q_last")),
+            probe.last_key_projection.register_forward_hook(output_of("k_last")),
+        ]
+    if "features" in needs:
+        handles.append(probe.projector.register_forward_pre_hook(input_of("features")))
+    return handles
 
 
 def _capture(prefill: Prefill, name: str) -> Callable:

@@ -111,10 +111,10 @@ class Prefill:
                 attention = next_layer_attention(plan, self.sequence, hidden, next_layer, rope, self.adapter)
             decisions = []
             for group in groups(plan, self.sequence, layer):
-                vision = None
+                vision, project = None, None
                 if self.vision is not None:
                     probe, capture = self.vision
-                    vision = vision_evidence(capture, probe, plan, group, method.name)
+                    vision, project = vision_evidence(capture, probe, plan, group, method), probe.projector
                 tokens = None
                 if method.needs & {"keys", "final_norm"}:
                     tokens = token_evidence(
@@ -137,7 +137,7 @@ class Prefill:
                 if not self.record.stages and selection.scores is not None and inputs.attention is not None:
                     pools = [(pool.row, pool.positions) for pool in group.pools]
                     self.record.scored.append(Scored(pools, inputs.attention, selection.scores))
-                decisions.append(Decision(group, selection, inputs.hidden))
+                decisions.append(Decision(group, selection, inputs.hidden, inputs.vision_features, project))
             changed = any(
                 d.selection.kept.shape[1] < d.group.size or d.selection.merge is not None for d in decisions
             )

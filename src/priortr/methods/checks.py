@@ -58,7 +58,7 @@ def check_fraction(name: str, value: object, *, open_low: bool = False) -> float
 
 
 def check_vision_cls(inputs: StageInputs, method: str) -> torch.Tensor:
-    """The vision tower's [CLS] attention [B, N] float32, or a ValueError naming what is missing."""
+    """The vision tower's [CLS] attention [B, N] (at least float32), or a ValueError naming what lacks."""
     cls = inputs.vision_cls
     if cls is None:
         raise ValueError(
@@ -69,11 +69,11 @@ def check_vision_cls(inputs: StageInputs, method: str) -> torch.Tensor:
         raise ValueError(f"{method}: inputs.vision_cls must be [B, N] = {expected}, got {tuple(cls.shape)}")
     if value_checks() and not torch.isfinite(cls).all():
         raise ValueError(f"{method}: inputs.vision_cls contains NaN or inf")
-    return cls.float()
+    return cls.to(torch.promote_types(cls.dtype, torch.float32))
 
 
 def check_vision(inputs: StageInputs, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The vision tower's [CLS] attention [B, N] and keys [B, H, N, d], float32, or a ValueError."""
+    """The vision tower's [CLS] attention [B, N] and keys [B, H, N, d] (at least float32), or a ValueError."""
     cls = check_vision_cls(inputs, method)
     keys = inputs.vision_keys
     batch, n_visual = cls.shape
@@ -86,7 +86,44 @@ def check_vision(inputs: StageInputs, method: str) -> tuple[torch.Tensor, torch.
         )
     if value_checks() and not torch.isfinite(keys).all():
         raise ValueError(f"{method}: inputs.vision_keys contains NaN or inf")
-    return cls, keys.float()
+    return cls, keys.to(torch.promote_types(keys.dtype, torch.float32))
+
+
+def check_features(inputs: StageInputs, method: str) -> torch.Tensor:
+    """The vision tower's features before the projector [B, N, C], or a ValueError."""
+    features = inputs.vision_features
+    expected = tuple(inputs.hidden.shape[:2])
+    if features is None:
+        raise ValueError(
+            f"{method} needs the vision tower's features before the projector (inputs.vision_features); "
+            f"{NO_CLS_HINT}"
+        )
+    if features.ndim != 3 or tuple(features.shape[:2]) != expected:
+        raise ValueError(
+            f"{method}: inputs.vision_features must be [B, N, C] with B, N = {expected}, "
+            f"got {tuple(features.shape)}"
+        )
+    return features
+
+
+def check_vision_last(inputs: StageInputs, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's last-layer [CLS] attention [B, N] and keys [B, N, C] (at least float32), or an error."""
+    cls, keys = inputs.vision_cls_last, inputs.vision_keys_last
+    expected = tuple(inputs.hidden.shape[:2])
+    if cls is None or keys is None:
+        raise ValueError(
+            f"{method} needs the vision tower's last-layer [CLS] attention and keys (inputs.vision_cls_last, "
+            f"inputs.vision_keys_last); {NO_CLS_HINT}"
+        )
+    if tuple(cls.shape) != expected or keys.ndim != 3 or tuple(keys.shape[:2]) != expected:
+        raise ValueError(
+            f"{method}: inputs.vision_cls_last must be [B, N] = {expected} and inputs.vision_keys_last "
+            f"[B, N, C], got {tuple(cls.shape)} and {tuple(keys.shape)}"
+        )
+    if value_checks() and not (torch.isfinite(cls).all() and torch.isfinite(keys).all()):
+        raise ValueError(f"{method}: inputs.vision_cls_last or inputs.vision_keys_last contains NaN or inf")
+    dtype = torch.promote_types(keys.dtype, torch.float32)
+    return cls.to(dtype), keys.to(dtype)
 
 
 def check_text_rows(inputs: StageInputs, method: str) -> list[torch.Tensor]:

@@ -45,16 +45,19 @@ def divprune(inputs: StageInputs) -> Selection:
     """DivPrune: keep the K visual tokens that greedily solve the max-min diversity problem.
 
     Alvar et al., "DivPrune: Diversity-based Visual Token Pruning for Large Multimodal Models",
-    CVPR 2025 (arXiv 2503.02175); authors' code: github.com/vbdi/divprune,
-    ``LLaVA/llava/model/llava_arch.py`` (``DivPrune``). Pruning before the language model (their
-    ``LAYER_INDEX=0``), on the LLM input embeddings of the visual tokens, i.e. ``inputs.hidden`` of a
-    vision stage. Distance d(i, j) = 1 - cos(h_i, h_j). The first token maximises the distance to its
-    nearest other token; each further token maximises the minimum distance to the tokens already
-    chosen (greedy MMDP). The authors' only knob is the kept ratio, here the budget K.
+    CVPR 2025 (arXiv 2503.02175); authors' code: github.com/vbdi/divprune at
+    799e2d950aa01ba7860907f5a6d86061f885dca6, ``LLaVA/llava/model/llava_arch.py`` (``DivPrune``;
+    ``SUBSET_RATIO=0.098`` published, K = round(ratio x N)); ``tests/test_official_divprune.py``.
+    Pruning before the language model (their ``LAYER_INDEX=0``), on the LLM input embeddings of the
+    visual tokens, i.e. ``inputs.hidden`` of a vision stage. Distance d(i, j) = 1 - cos(h_i, h_j).
+    The first token maximises the distance to its nearest other token; each further token maximises
+    the minimum distance to the tokens already chosen (greedy MMDP). The authors' only knob is the
+    kept ratio, here the budget K.
 
     Deviation: tokens already chosen are excluded from later picks, so K distinct tokens are kept
-    even when the remaining tokens all duplicate chosen ones (the authors' argmax could pick a
-    chosen token again there).
+    even when the remaining tokens all duplicate chosen ones (the authors' argmax can then pick a
+    chosen token again, its own distance being a rounding error above the duplicates' 0, and their
+    ``new_input_embeds[:, keep_indexs]`` repeats it in the sequence). Identical picks otherwise.
 
     Requires ``inputs.hidden`` [B, N, D].
     """

@@ -1,6 +1,6 @@
 """LLaVA-PruMerge and PruMerge+ (Shang et al., "LLaVA-PruMerge: Adaptive Token Reduction for Efficient
 Large Multimodal Models", ICCV 2025): tokens kept by the vision tower's [CLS] attention, each absorbing
-its key-nearest neighbours, before the LLM.
+its key-nearest tokens, before the LLM.
 """
 
 from __future__ import annotations
@@ -10,110 +10,138 @@ import math
 import torch
 import torch.nn.functional as F
 
-from priortr.methods.checks import check_bool, check_budget, check_int, check_vision, same_count
-from priortr.methods.groups import Group, stack_plans
+from priortr.methods.checks import (
+    check_bool,
+    check_budget,
+    check_features,
+    check_int,
+    check_vision_last,
+    same_count,
+)
 from priortr.methods.registry import register_method
 from priortr.methods.tokens import descending
 from priortr.selection import Selection, StageInputs, keep_all
 
 
-def _iqr_outliers(cls: torch.Tensor) -> int:
-    """How many values of ``cls`` [N] lie above Q3 + 1.5 IQR (quartiles interpolated as numpy does)."""
-    q1, q3 = torch.quantile(cls, torch.tensor([0.25, 0.75], device=cls.device)).tolist()
-    return int((cls > q3 + 1.5 * (q3 - q1)).sum())
+def iqr_outliers(cls: torch.Tensor) -> int:
+    """How many values of ``cls`` [N] lie above Q3 + 1.5 IQR, in float32 as the authors compute it
+    (``outlier_dectection``: ``np.percentile`` quartiles, linear interpolation)."""
+    values = cls.float()
+    q1, q3 = torch.quantile(values, torch.tensor([0.25, 0.75], device=cls.device))
+    return int((values > q3 + 1.5 * (q3 - q1)).sum())
 
 
-def _prumerge_selection(cls: torch.Tensor, budget: int, adaptive: bool, plus: bool) -> torch.Tensor:
-    """Indices of the tokens PruMerge(+) keeps for one image, from the [CLS] attention ``cls`` [N]."""
+def _selection(cls: torch.Tensor, budget: int, adaptive: bool, plus: bool) -> torch.Tensor:
+    """The tokens PruMerge(+) keeps for one image, from the [CLS] attention ``cls`` [N]."""
+    n_visual = cls.numel()
     order = descending(cls)  # [N]
-    n_visual = cls.numel()
-    n_top = budget
-    if adaptive:
-        n_top = max(1, _iqr_outliers(cls))
-    elif plus:
-        n_top = math.ceil(budget / 4)
-    top = order[:n_top]
-    if not plus:
-        return top
     taken = torch.zeros(n_visual, dtype=torch.bool, device=cls.device)  # [N]
-    taken[top] = True
     if adaptive:
-        stride = max(1, (n_visual // n_top) // 3)
-        grid = torch.arange(0, n_visual, stride, device=cls.device)
+        ratio = max(1, iqr_outliers(cls)) / n_visual  # the authors' reduction_ratio
+        top = order[: int(n_visual * ratio)]
+        if not plus:
+            return top
+        stride = max(1, int(int(1 / ratio) / 3))  # the authors' int(step_length / 3)
+        grid = torch.arange(0, n_visual - 1, stride, device=cls.device)  # their arange(0, 575, ...) for 576
+        taken[top] = True
         return torch.cat([top, grid[~taken[grid]]])
+    if not plus:
+        return order[:budget]
+    n_top = math.ceil(budget / 4)
+    taken[order[:n_top]] = True
     rest = (~taken).nonzero().squeeze(1)  # [N - n_top] ascending
-    n_grid = budget - n_top
-    if n_grid == 0:
-        return top
-    picks = ((torch.arange(n_grid, device=cls.device) + 0.5) * rest.numel() / n_grid).long()
-    return torch.cat([top, rest[picks]])
+    picks = ((torch.arange(budget - n_top, device=cls.device) + 0.5) * rest.numel() / (budget - n_top)).long()
+    return torch.cat([order[:n_top], rest[picks]])
 
 
-def _prumerge_row(
-    cls: torch.Tensor, keys: torch.Tensor, selected: torch.Tensor, neighbours: int
-) -> list[Group]:
-    """Each selected token absorbs its ``neighbours`` most key-similar tokens, weighted by [CLS] attention."""
+def _merge_rows(cls: torch.Tensor, keys: torch.Tensor, kept: torch.Tensor, neighbours: int) -> torch.Tensor:
+    """Merge rows [K, N]: kept token i with weight 1, and the ``neighbours`` other tokens (kept or not)
+    whose keys are most cosine-similar to its own, each with its [CLS] attention as weight."""
     n_visual = cls.numel()
-    metric = F.normalize(keys.transpose(0, 1).reshape(n_visual, -1), dim=-1)  # [N, H*d] all heads' keys
-    similarity = metric[selected] @ metric.T  # [S, N]
-    similarity[torch.arange(selected.numel(), device=cls.device), selected] = float("-inf")
-    k = min(neighbours, n_visual - 1)
-    nearest = torch.sort(similarity, dim=-1, descending=True, stable=True).indices[:, :k]  # [S, k]
-    groups = []
-    for centre, near in zip(selected.tolist(), nearest, strict=True):
-        members = torch.cat([selected.new_tensor([centre]), near])
-        weights = torch.cat([cls.new_ones(1), cls[near]])
-        groups.append(Group(centre, members, weights))
-    return groups
+    metric = F.normalize(keys, p=2, dim=-1)  # [N, C]
+    similarity = metric[kept] @ metric.T  # [K, N]
+    rows = torch.arange(kept.numel(), device=cls.device)
+    similarity[rows, kept] = float("-inf")
+    near = torch.topk(similarity, min(neighbours, n_visual - 1), dim=-1).indices  # [K, neighbours]
+    merge = torch.zeros(kept.numel(), n_visual, dtype=keys.dtype, device=cls.device)
+    merge[rows[:, None], near] = cls.to(keys.dtype)[near]
+    merge[rows, kept] = 1.0
+    return merge
 
 
 @register_method(
     "prumerge",
     where="vision",
-    needs=("vision",),
+    needs=("vision_last", "features"),
     summary="[CLS]-attention selection, each kept token absorbing its nearest neighbours",
     source="LLaVA-PruMerge, Shang et al., ICCV 2025",
 )
 def prumerge(
     inputs: StageInputs, *, adaptive: bool = False, plus: bool = False, neighbours: int = 32
 ) -> Selection:
-    """LLaVA-PruMerge(+): keep tokens by [CLS] attention, each absorbing its key-nearest neighbours.
+    """LLaVA-PruMerge(+): keep tokens by the tower's [CLS] attention, each absorbing its key-nearest tokens.
 
-    Shang et al., "LLaVA-PruMerge: Adaptive Token Reduction for Efficient Large Multimodal Models",
-    ICCV 2025 (arXiv 2403.15388); authors' code: github.com/42Shawn/LLaVA-PruMerge,
-    ``llava/model/multimodal_encoder/clip_encoder.py`` (``token_prune_merge_advanced`` and ``_plus``).
-    Selection: the top K tokens by [CLS] attention; with ``adaptive=True`` the paper's rule instead,
-    the tokens whose [CLS] attention is an outlier above Q3 + 1.5 IQR (at least one). ``plus=True`` is
-    PruMerge+, which adds spatially uniform tokens: adaptively, the authors' grid (every
-    ``(N // m) // 3``-th token, m outliers) minus tokens already kept; with a fixed K, ceil(K / 4) tokens
-    by [CLS] attention (the ~1:3 ratio of the authors' adaptive grid) and K - ceil(K / 4) tokens evenly
-    spaced, in sequence order, over the rest. Merging: every kept token p takes its ``neighbours``
-    (default 32, the authors' inference code) most cosine-similar other tokens by key (all heads'
-    keys concatenated, the authors' ``k_proj`` output) and becomes their weighted average, p with
-    weight 1 and each neighbour j with its [CLS] attention a_j, as in the authors' update
-    ``y_p + sum_j a_j y_j``, normalised by ``1 + sum_j a_j`` to meet the merge contract.
+    Shang et al., ICCV 2025 (arXiv 2403.15388); authors' code: github.com/42Shawn/LLaVA-PruMerge at
+    097c04116a58465e4bcb58cec44a94018a68ff1a, ``llava/model/multimodal_encoder/clip_encoder.py``
+    (``token_prune_merge_advanced`` = PruMerge, ``token_prune_merge_advanced_plus`` = PruMerge+,
+    ``outlier_dectection``). Evidence as the authors hook it: the [CLS] row of one softmax of
+    ``q @ k^T * C ** -0.5`` over the q/k projections of the tower's *last* layer, all heads concatenated
+    (``inputs.vision_cls_last``), that layer's keys (``inputs.vision_keys_last``), and the features of
+    the layer the model uses, before the projector (``inputs.vision_features``).
 
-    With ``adaptive=True`` the kept count is the rule's, not ``inputs.budget`` (which is ignored); the
-    images of a batch must then agree on it, or a ValueError asks to run them one per batch.
+    Selection: with ``adaptive=False`` (default: the authors' ``if_adaptive=False`` at
+    ``reduction_ratio = K / N``, so the budget holds) the top K by that attention; with
+    ``adaptive=True`` (the authors' inference default) the IQR outliers, above Q3 + 1.5 IQR (at least
+    one), whatever the budget; with ``plus=True`` also (PruMerge+) the authors' spatial grid
+    ``arange(0, N - 1, int(int(1 / ratio) / 3))`` (their ``arange(0, 575, ...)`` for 576 tokens) minus
+    the tokens already kept. ``plus=True`` with a fixed K has no authors' counterpart (their
+    non-adaptive PruMerge+ branch is for training): ceil(K / 4) by attention and the rest of K evenly
+    spaced, in sequence order, over the other tokens.
 
-    Deviations: (1) the authors read the [CLS] attention of the vision tower's last layer, computed
-    over all heads at once, while the features come from the penultimate; here both are the vision
-    layer whose output the model uses and the attention is the head mean (``inputs.vision_cls``);
-    (2) the authors append one extra token, the [CLS]-attention-weighted sum of all pruned tokens; it
-    has no slot of its own and is not in the paper's algorithm, so it is left out; (3) the fixed-K
-    rule and split above are this harness's adaptation to an equal token count.
+    Merge, as the authors': every kept token i becomes ``x_i + sum_j a_j x_j`` over the ``neighbours``
+    (their 32) other tokens, kept or pruned, whose keys are most cosine-similar to its own, a_j their
+    [CLS] attention (unnormalised weights), on the features before the projector
+    (``merge_space='features'``); the projector then maps the merged features.
 
-    Requires ``inputs.hidden``, ``inputs.vision_cls`` [B, N] (softmax probabilities) and
-    ``inputs.vision_keys`` [B, H, N, d]. Knobs: ``adaptive``, ``plus`` (bools), ``neighbours`` (int >= 1).
+    Deviations: (1) the authors append one more token, the attention-weighted sum of the pruned tokens;
+    it has no slot in the prompt and is left out; (2) kept tokens stay in prompt order at their own
+    positions (harness rule; the authors' order is by attention, then the grid); (3) with no outlier the
+    authors keep no token (PruMerge+ divides by zero), here one; (4) stable sorts (ties only).
+
+    With ``adaptive=True`` the images of a batch must agree on the count, or a ValueError asks to run
+    them one per batch. Knobs: ``adaptive``, ``plus`` (bools), ``neighbours`` (int >= 1).
     """
     budget = check_budget(inputs, "prumerge")
-    check_bool("prumerge adaptive", adaptive)
-    check_bool("prumerge plus", plus)
+    adaptive = check_bool("prumerge adaptive", adaptive)
+    plus = check_bool("prumerge plus", plus)
     neighbours = check_int("prumerge neighbours", neighbours, 1)
-    cls, keys = check_vision(inputs, "prumerge")
+    cls, keys = check_vision_last(inputs, "prumerge")
+    check_features(inputs, "prumerge")
     if not adaptive and budget >= inputs.n_visual:
         return keep_all(inputs)
-    selections = [_prumerge_selection(cls[b], budget, adaptive, plus) for b in range(cls.shape[0])]
+    selections = [_selection(cls[b], budget, adaptive, plus) for b in range(cls.shape[0])]
     same_count([s.numel() for s in selections], "prumerge", "adaptive=True (IQR outlier rule)")
-    rows = [_prumerge_row(cls[b], keys[b], s, neighbours) for b, s in enumerate(selections)]
-    return stack_plans(rows, inputs.n_visual)
+    kept, merges = [], []
+    for b, selected in enumerate(selections):
+        order = selected.argsort()
+        kept.append(selected[order])
+        merges.append(_merge_rows(cls[b], keys[b], selected, neighbours)[order])
+    return Selection(kept=torch.stack(kept), merge=torch.stack(merges), merge_space="features")
+
+
+@register_method(
+    "prumerge+",
+    where="vision",
+    needs=("vision_last", "features"),
+    summary="PruMerge with spatially uniform tokens added to the [CLS]-attention ones",
+    source="LLaVA-PruMerge+, Shang et al., ICCV 2025",
+)
+def prumerge_plus(inputs: StageInputs, *, adaptive: bool = False, neighbours: int = 32) -> Selection:
+    """PruMerge+ under its own name: :func:`prumerge` with ``plus=True`` (the authors'
+    ``token_prune_merge_advanced_plus``, the one their ``CLIPVisionTower.forward`` calls).
+
+    ``adaptive=True`` is the authors' default (IQR outliers plus their grid, the budget ignored);
+    ``adaptive=False`` keeps K: ceil(K / 4) by [CLS] attention and the rest evenly spaced (no authors'
+    counterpart at a fixed K, see :func:`prumerge`). Knobs: ``adaptive`` (bool), ``neighbours`` (int >= 1).
+    """
+    return prumerge(inputs, adaptive=adaptive, plus=True, neighbours=neighbours)

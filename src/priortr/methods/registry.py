@@ -22,7 +22,7 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "text_rows", "vision", "next_attention", "keys", "final_norm")
+NEEDS = ("attention", "text_rows", "vision", "vision_last", "features", "next_attention", "keys", "final_norm")
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
@@ -41,9 +41,12 @@ class MethodInfo:
         select: the selector; its keyword-only parameters are the method's knobs.
         needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
             layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
-            and/or ``vision`` (the vision tower's [CLS] attention and keys), ``next_attention`` (the
-            same fields as ``attention``, from the attention of the layer after the scored one
-            computed on its input, before it runs), ``keys`` (the scored layer's keys of the visual
+            and/or, before the LLM, ``vision`` (the [CLS] attention and keys of the vision layer the
+            model uses), ``vision_last`` (the tower's last layer's [CLS] attention over all heads at
+            once, and its keys: PruMerge's) and ``features`` (the tower's features before the
+            projector, which a ``merge_space='features'`` Selection merges); inside the LLM
+            ``next_attention`` (the same fields as ``attention``, from the attention of the layer
+            after the scored one computed on its input, before it runs), ``keys`` (the scored layer's keys of the visual
             tokens and of the text rows, and the tokens' prompt positions), ``final_norm`` (the
             scored layer's output through the language model's final norm, visual tokens and text
             rows); ``StageInputs`` documents the fields.

@@ -10,73 +10,97 @@ import math
 import torch
 import torch.nn.functional as F
 
-from priortr.methods.checks import check_budget, check_fraction, check_vision
-from priortr.methods.groups import Group, plain_groups, stack_plans, uniform_group
+from priortr.methods.checks import check_bool, check_budget, check_features, check_fraction, check_vision
 from priortr.methods.registry import register_method
-from priortr.methods.tokens import descending
+from priortr.methods.tokens import descending, stack_rows
 from priortr.selection import Selection, StageInputs, keep_all
 
 
-def _visionzip_row(cls: torch.Tensor, keys: torch.Tensor, budget: int, n_contextual: int) -> list[Group]:
-    """VisionZip on one image: ``cls`` [N], ``keys`` [H, N, d]."""
-    order = descending(cls)  # [N]
-    n_dominant = budget - n_contextual
-    groups = plain_groups(order[:n_dominant])
-    if n_contextual == 0:
-        return groups
-    rest = order[n_dominant:].sort().values  # [R] remaining tokens in sequence order
-    metric = F.normalize(keys.mean(dim=0)[rest], dim=-1)  # [R, d] head-mean keys, unit length
-    step = max(1, rest.numel() // n_contextual)
-    is_target = torch.zeros(rest.numel(), dtype=torch.bool, device=rest.device)  # [R]
-    target_pos = torch.arange(0, rest.numel(), step, device=rest.device)[:n_contextual]  # [C]
-    is_target[target_pos] = True
-    similarity = metric[~is_target] @ metric[target_pos].T  # [R - C, C]
-    assignment = torch.argmax(similarity, dim=-1)  # [R - C] first maximum: earliest target
-    targets, others = rest[target_pos], rest[~is_target]  # [C], [R - C]
-    for position in range(n_contextual):
-        members = torch.cat([targets[position : position + 1], others[assignment == position]])
-        groups.append(uniform_group(members, int(targets[position])))
-    return groups
+def _visionzip_row(
+    cls: torch.Tensor, keys: torch.Tensor, n_dominant: int, n_contextual: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's kept tokens [K'] (ascending) and merge rows [K', N] over its features, from the
+    [CLS] attention ``cls`` [N] and the head-mean keys ``keys`` [N, d]."""
+    n_visual = cls.numel()
+    dominant = descending(cls)[:n_dominant]
+    taken = torch.zeros(n_visual, dtype=torch.bool, device=cls.device)  # [N]
+    taken[dominant] = True
+    rest = (~taken).nonzero().squeeze(1)  # [R] ascending, as the authors' boolean mask keeps them
+    merge = torch.zeros(n_dominant + n_contextual, n_visual, dtype=keys.dtype, device=cls.device)
+    merge[torch.arange(n_dominant, device=cls.device), dominant] = 1.0
+    kept = dominant
+    if n_contextual > 0:
+        metric = F.normalize(keys[rest], dim=-1)  # [R, d]
+        step = max(1, rest.numel() // n_contextual)
+        target_pos = torch.arange(0, rest.numel(), step, device=cls.device)[:n_contextual]  # [C]
+        is_target = torch.zeros(rest.numel(), dtype=torch.bool, device=cls.device)  # [R]
+        is_target[target_pos] = True
+        assignment = torch.argmax(metric[~is_target] @ metric[target_pos].T, dim=-1)  # [R - C] first max
+        joined = torch.bincount(assignment, minlength=n_contextual).clamp(min=1).to(keys.dtype)  # [C]
+        rows = n_dominant + torch.arange(n_contextual, device=cls.device)  # [C]
+        merge[rows, rest[target_pos]] = 1.0  # the target itself, plus the mean of the tokens that joined it
+        merge[rows[assignment], rest[~is_target]] = 1.0 / joined[assignment]
+        kept = torch.cat([dominant, rest[target_pos]])
+    order = kept.argsort()
+    return kept[order], merge[order]
 
 
 @register_method(
     "visionzip",
     where="vision",
-    needs=("vision",),
+    needs=("vision", "features"),
     summary="dominant tokens by [CLS] attention plus contextual tokens merged by key similarity",
     source="VisionZip, Yang et al., CVPR 2025",
 )
-def visionzip(inputs: StageInputs, *, contextual_ratio: float = 10 / 64) -> Selection:
+def visionzip(
+    inputs: StageInputs, *, contextual_ratio: float = 10 / 64, cls_takes_a_slot: bool = True
+) -> Selection:
     """VisionZip: keep the tokens the vision tower's [CLS] attends to most, merge the rest by key similarity.
 
     Yang et al., "VisionZip: Longer is Better but Not Necessary in Vision Language Models", CVPR 2025
-    (arXiv 2412.04467); authors' code: github.com/dvlab-research/VisionZip, ``visionzip/clip_encoder.py``
-    and ``visionzip/utils.py``. Dominant tokens: the top (K - C) by [CLS] attention (the authors sum it
-    over heads; the head mean ranks identically). Contextual tokens: the remaining R tokens, in sequence
-    order, are split into C targets (every ``R // C``-th token, the first C of them) and the others;
-    each other token joins the target whose key is most cosine-similar, keys averaged over heads as the
-    authors do (``key_states.mean(1)``), and each target becomes the mean hidden state of itself and
-    the tokens that joined it, in the target's slot.
+    (arXiv 2412.04467); authors' code: github.com/dvlab-research/VisionZip at
+    3151f6df4fca36a4cd1c985e5956e725b1f9ad02, ``visionzip/clip_encoder.py`` (the selection and merge),
+    ``visionzip/utils.py`` (keys: ``raw_key_states.mean(1)`` kept at layer 22 of 24, the feature layer)
+    and ``visionzip/main.py`` (``dominant_num = dominant - 1``). Dominant tokens: [CLS] and the top
+    ``dominant - 1`` patches by the feature layer's [CLS] attention (``attentions[-2]``, summed over
+    heads; the head mean ranks alike). Contextual tokens: the remaining R patches, in sequence order,
+    are split into C targets (every ``R // C``-th, the first C of them) and the others; each other
+    patch joins the target whose key (heads averaged) is most cosine-similar, and a contextual token is
+    ``target + mean(joined)`` (the target alone when none joined), formed on the features before the
+    projector (``merge_space='features'``), which the projector then maps.
 
-    Default split: the authors publish 54 dominant + 10 contextual for 64 tokens (README); 108 + 20 and
-    162 + 30, the splits used for 128 and 192 (not checked against the paper's text here), share that
-    ratio: C = round(K * ``contextual_ratio``) with ratio 10/64.
+    Budget: K = dominant + contextual as the authors count them (README: ``dominant=54, contextual=10``
+    for 64; 108 + 20 and 162 + 30 in llmc's port, ModelTC/LightCompress); C = round(K *
+    ``contextual_ratio``), 10/64 (5, 10, 20, 30 for K = 32, 64, 128, 192). The
+    authors' K includes [CLS], for which the language model here has no slot: with
+    ``cls_takes_a_slot=True`` (default, the authors' patch set) K - C - 1 dominant patches are kept,
+    K - 1 visual tokens in all; ``False`` keeps K - C dominant patches (K tokens, the same count as
+    every other method).
 
-    Deviations: (1) the authors also keep the [CLS] token as one of the dominant tokens (``dominant=54``
-    keeps [CLS] + 53 patches); the language model here sees only patch tokens, so all K - C dominant
-    tokens are patches; (2) the authors' contextual token is target + mean of the joined tokens (weights
-    summing to 2), here the mean over target and joined tokens (a convex combination, as the merge
-    contract requires); (3) with no token joining a target, the
-    target is kept as is, as in the authors' code.
+    Deviations: kept tokens stay in prompt order at their own positions (harness rule; the authors'
+    sequence is [CLS], the dominant patches, then the contextual tokens); sorts are stable (ties only).
 
-    Requires ``inputs.hidden``, ``inputs.vision_cls`` [B, N] and ``inputs.vision_keys`` [B, H, N, d].
-    Knob: ``contextual_ratio`` in [0, 1], the share of K that is contextual tokens.
+    Requires ``inputs.vision_cls`` [B, N], ``inputs.vision_keys`` [B, H, N, d] and
+    ``inputs.vision_features`` [B, N, C]. Knobs: ``contextual_ratio`` in [0, 1], ``cls_takes_a_slot``.
     """
     budget = check_budget(inputs, "visionzip")
     contextual_ratio = check_fraction("visionzip contextual_ratio", contextual_ratio)
+    cls_takes_a_slot = check_bool("visionzip cls_takes_a_slot", cls_takes_a_slot)
     cls, keys = check_vision(inputs, "visionzip")
+    check_features(inputs, "visionzip")
     if budget >= inputs.n_visual:
         return keep_all(inputs)
     n_contextual = math.floor(budget * contextual_ratio + 0.5)
-    rows = [_visionzip_row(cls[b], keys[b], budget, n_contextual) for b in range(cls.shape[0])]
-    return stack_plans(rows, inputs.n_visual)
+    n_dominant = budget - n_contextual - int(cls_takes_a_slot)
+    if n_dominant + n_contextual < 1:
+        raise ValueError(f"visionzip: a budget of {budget} leaves no patch once [CLS] takes its slot")
+    if n_contextual == 0:  # plain pruning: the survivors keep their own embeddings
+        return stack_rows([descending(cls[b])[:n_dominant] for b in range(cls.shape[0])])
+    rows = [
+        _visionzip_row(cls[b], keys[b].mean(dim=0), n_dominant, n_contextual) for b in range(cls.shape[0])
+    ]
+    return Selection(
+        kept=torch.stack([kept for kept, _ in rows]),
+        merge=torch.stack([merge for _, merge in rows]),
+        merge_space="features",
+    )
