@@ -30,6 +30,13 @@ class StageInputs:
             after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
             False are padding and must be ignored.
         text_valid: [B, R] bool.
+        text_embeddings: [B, R, D] the language model's input embeddings (the hidden states entering
+            decoder layer 0) of the same R rows as ``text_rows``, in the model's dtype.
+        text_after_image: [B, R] bool, True at the rows from the image's separator on (the text that
+            follows the image), False at padding rows.
+        visual_embeddings: [B, N0, D] the input embeddings of every visual token the image had before
+            any stage (N0 >= N), in prompt order. These three are gathered only for methods that
+            declare ``input_embeddings`` (SparseVLM chooses its text raters from them).
         vision_cls: [B, N] float32 head-mean attention of the vision tower's [CLS] query over the
             visual tokens, at the vision layer whose output the model uses; None without a [CLS].
         vision_keys: [B, H, N, d] that vision layer's keys of the visual tokens.
@@ -41,6 +48,9 @@ class StageInputs:
     attention: Evidence | None = None
     text_rows: torch.Tensor | None = None
     text_valid: torch.Tensor | None = None
+    text_embeddings: torch.Tensor | None = None
+    text_after_image: torch.Tensor | None = None
+    visual_embeddings: torch.Tensor | None = None
     vision_cls: torch.Tensor | None = None
     vision_keys: torch.Tensor | None = None
     seed: int = 0

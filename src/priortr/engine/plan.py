@@ -27,12 +27,14 @@ class PoolRows:
 
     ``prior`` [I]: the row of each item's separator (its tokens' prior Q); ``posterior`` [R]: the
     rows averaged into P (``PruningConfig.posterior_rows``); ``last``: the row of the prompt's last token
-    (FastV's signal).
+    (FastV's signal); ``after_image`` [R]: the rows from the pool's last separator on (the text that
+    follows its image, whatever ``posterior_rows`` says).
     """
 
     prior: torch.Tensor
     posterior: torch.Tensor
     last: int
+    after_image: torch.Tensor
 
 
 @dataclass
@@ -173,7 +175,9 @@ def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> P
         chosen = [p for p in rows if p > latest]
     posterior = torch.zeros(width, dtype=torch.bool)
     posterior[[index[p] for p in chosen]] = True
-    return PoolRows(separator_row, posterior, len(rows) - 1)
+    after_image = torch.zeros(width, dtype=torch.bool)
+    after_image[index[latest] : len(rows)] = True
+    return PoolRows(separator_row, posterior, len(rows) - 1, after_image)
 
 
 def _check_separators(

@@ -18,7 +18,13 @@ from priortr.adapters.base import VisionProbe
 from priortr.checks import value_checks_enabled
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.cut import Decision, cut
-from priortr.engine.evidence import attention_at_layer, groups, stage_inputs, vision_evidence
+from priortr.engine.evidence import (
+    attention_at_layer,
+    groups,
+    input_embeddings,
+    stage_inputs,
+    vision_evidence,
+)
 from priortr.engine.ledger import CacheLedger, write_ledger
 from priortr.engine.plan import PrefillPlan
 from priortr.engine.report import PrefillRecord, Scored
@@ -53,6 +59,9 @@ class Prefill:
         self.captured: dict[str, Any] = {}
         self.cache: Any = None
         self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
+        self.input_positions: list[torch.Tensor] | None = None
+        if "input_embeddings" in config.method.needs:  # pools narrow stage by stage; keep their start
+            self.input_positions = [pool.positions for pool in plan.pools]
         self._layer_inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
 
     @property
@@ -93,12 +102,16 @@ class Prefill:
             if "attention" in method.needs:
                 attention = attention_at_layer(plan, self.sequence, self.captured, self.adapter)
             decisions = []
-            for group in groups(plan, self.sequence, layer):
-                vision = None
+            for group in groups(plan, self.sequence, layer, self.input_positions is not None):
+                vision = embeddings = None
                 if self.vision is not None:
                     probe, capture = self.vision
                     vision = vision_evidence(capture, probe, plan, group, method.name)
-                inputs = stage_inputs(group, hidden, attention, plan, config, vision)
+                if self.input_positions is not None:
+                    embeddings = input_embeddings(
+                        self.captured.get("embeddings"), self.input_positions, plan, group
+                    )
+                inputs = stage_inputs(group, hidden, attention, plan, config, vision, embeddings)
                 selection = method.select(inputs, **config.options)
                 if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
                     raise ValueError(
