@@ -122,7 +122,7 @@ def test_pdrop_runs_pyramid_drops_schedule():
     assert [stage.kept.shape[1] for stage in stages] == [10, 6, 4]  # 16 * (4/16)^(i/3), rounded
     for earlier, later in itertools.pairwise(stages):
         assert set(later.kept[0].tolist()) <= set(earlier.kept[0].tolist())
-    assert priortr.methods.pyramid_stages(64, 576, 32) == [(7, 277), (15, 133), (23, 64)]
+    assert priortr.methods.pdrop.pyramid_stages(64, 576, 32) == [(7, 277), (15, 133), (23, 64)]
 
 
 _MERGE_WEIGHTS: dict[str, torch.Tensor] = {}

@@ -13,7 +13,8 @@ import torch
 import priortr
 from priortr import overhead
 from priortr.checks import value_checks_enabled
-from priortr.scoring import build_evidence, get_rule, select_top_k
+from priortr.methods import get_rule
+from priortr.scoring import build_evidence, select_top_k
 from tests.tiny import llava_batch, tiny_llava
 
 METHODS = {"priortr": 1, "fastv": 1, "pdrop": None, "divprune": None}  # one-layer, multi-stage, pre-LLM
@@ -82,7 +83,7 @@ def test_the_pure_part_of_a_stage_compiles_in_one_graph():
 
     def stage(prior, posterior, valid, last):
         evidence = build_evidence(prior, posterior, valid, last)
-        return select_top_k(get_rule("priortr").fn(evidence), 4)
+        return select_top_k(get_rule("priortr").rule(evidence), 4)
 
     generator = torch.Generator().manual_seed(0)
     args = (

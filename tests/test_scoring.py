@@ -1,4 +1,4 @@
-"""Tests for priortr.scoring: evidence building, scoring rules, budgets and top-K selection."""
+"""Tests for priortr.scoring and the scoring rules of priortr.methods: evidence, rules, budgets, top-K."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import math
 import pytest
 import torch
 
+from priortr.methods import available_rules, get_rule, register_rule
 from priortr.scoring import (
     EPS,
     Evidence,
     aggregate_heads,
-    available_rules,
     build_evidence,
-    get_rule,
     l1_normalise,
-    register_rule,
     resolve_budget,
     select_top_k,
 )
@@ -71,19 +69,19 @@ def test_rule_info_carries_name_summary_and_source() -> None:
 
 
 def test_get_rule_unknown_lists_available() -> None:
-    with pytest.raises(ValueError, match="unknown method 'nope'; available: diff, entropy, fastv, logratio"):
+    with pytest.raises(ValueError, match="unknown scoring rule 'nope'; available: diff, entropy, fastv"):
         get_rule("nope")
 
 
 def test_register_rule_duplicate_raises_and_keeps_original() -> None:
-    original = get_rule("priortr").fn
+    original = get_rule("priortr").rule
     with pytest.raises(ValueError, match="priortr"):
 
         @register_rule("priortr", summary="dup", source="dup")
         def _dup(evidence: Evidence) -> torch.Tensor:
             return evidence.prior
 
-    assert get_rule("priortr").fn is original
+    assert get_rule("priortr").rule is original
 
 
 def test_eps_matches_paper() -> None:
@@ -100,7 +98,7 @@ def test_rule_matches_hand_computed_values(name: str) -> None:
         [formula(p, q, last) for p, q, last in zip(p_row, q_row, last_row, strict=True)]
         for p_row, q_row, last_row in zip(P_ROWS, Q_ROWS, LAST_ROWS, strict=True)
     ]
-    scores = get_rule(name).fn(_evidence())
+    scores = get_rule(name).rule(_evidence())
     assert scores.dtype == torch.float32
     assert scores.shape == (2, 3)
     for got_row, want_row in zip(scores.tolist(), expected, strict=True):
@@ -108,7 +106,7 @@ def test_rule_matches_hand_computed_values(name: str) -> None:
 
 
 def test_priortr_hand_values_spelled_out() -> None:
-    scores = get_rule("priortr").fn(_evidence())
+    scores = get_rule("priortr").rule(_evidence())
     # 0.5 * ln((0.5 + 1e-6) / (0.25 + 1e-6)) ≈ 0.5 * ln 2; a zero posterior contributes exactly zero.
     assert scores[0, 0].item() == pytest.approx(0.5 * math.log(0.500001 / 0.250001), rel=1e-6)
     assert scores[0, 2].item() == 0.0
@@ -116,7 +114,7 @@ def test_priortr_hand_values_spelled_out() -> None:
 
 
 def test_entropy_treats_zero_log_zero_as_zero() -> None:
-    scores = get_rule("entropy").fn(_evidence())
+    scores = get_rule("entropy").rule(_evidence())
     assert torch.isfinite(scores).all()
     # P = 0, Q = 0.5: 0 - 0.5 ln 0.5
     assert scores[0, 2].item() == pytest.approx(-0.5 * math.log(0.5), rel=1e-6)
@@ -124,13 +122,13 @@ def test_entropy_treats_zero_log_zero_as_zero() -> None:
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_every_rule_returns_float32_batch_by_tokens(name: str) -> None:
-    scores = get_rule(name).fn(_evidence())
+    scores = get_rule(name).rule(_evidence())
     assert scores.dtype == torch.float32
     assert scores.shape == (2, 3)
 
 
 def test_random_rule_is_deterministic_per_seed() -> None:
-    rule = get_rule("random").fn
+    rule = get_rule("random").rule
     first = rule(_evidence(seed=7))
     assert torch.equal(first, rule(_evidence(seed=7)))
     assert not torch.equal(first, rule(_evidence(seed=8)))
@@ -138,7 +136,7 @@ def test_random_rule_is_deterministic_per_seed() -> None:
 
 
 def test_random_rule_ignores_evidence_values() -> None:
-    rule = get_rule("random").fn
+    rule = get_rule("random").rule
     other = Evidence(
         prior=torch.full((2, 3), 1 / 3),
         posterior=torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]),
@@ -161,8 +159,8 @@ def test_motivating_case_priortr_keeps_target_posterior_keeps_background() -> No
         posterior_valid=torch.tensor([[True]]),
         last_attn=torch.tensor([[p]]),
     )
-    assert select_top_k(get_rule("posterior").fn(evidence), 1).tolist() == [[0]]
-    assert select_top_k(get_rule("priortr").fn(evidence), 1).tolist() == [[1]]
+    assert select_top_k(get_rule("posterior").rule(evidence), 1).tolist() == [[0]]
+    assert select_top_k(get_rule("priortr").rule(evidence), 1).tolist() == [[1]]
 
 
 # --- evidence -------------------------------------------------------------------------------------
@@ -296,8 +294,8 @@ def test_low_precision_attention_matches_float32_of_rounded_values(dtype: torch.
         assert got.dtype == torch.float32
         assert torch.equal(got, want)
     for name in ("priortr", "posterior", "fastv"):
-        kept_low = select_top_k(get_rule(name).fn(low), 64)
-        kept_ref = select_top_k(get_rule(name).fn(ref), 64)
+        kept_low = select_top_k(get_rule(name).rule(low), 64)
+        kept_ref = select_top_k(get_rule(name).rule(ref), 64)
         assert torch.equal(kept_low, kept_ref)
 
 

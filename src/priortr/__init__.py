@@ -9,8 +9,16 @@ handle.remove()                   # the stock model again
 from priortr.adapters import register_adapter, supported_model_types
 from priortr.api import PruningHandle, apply
 from priortr.engine import PruneResult, PruningSkippedWarning, StageResult
-from priortr.methods import MethodInfo, available_methods, get_method, register_method
-from priortr.scoring import Evidence, available_rules, get_rule, register_rule
+from priortr.methods import (
+    MethodInfo,
+    available_methods,
+    available_rules,
+    get_method,
+    get_rule,
+    register_method,
+    register_rule,
+)
+from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs
 
 __all__ = [

@@ -47,7 +47,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr.configs import load_config
-from priortr.methods import pyramid_stages
+from priortr.methods.pdrop import pyramid_stages
 from priortr.scoring import resolve_budget
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
@@ -354,7 +354,7 @@ def priortr_schedule(kept: int, layer: int = DEFAULT_LAYER, name: str = "priortr
 
 
 def pyramid_drop_schedule(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> Schedule:
-    """PyramidDrop's stages (``priortr.methods.pyramid_stages``) with each layer caching what it
+    """PyramidDrop's stages (``priortr.methods.pdrop.pyramid_stages``) with each layer caching what it
     processed, as the original implementation does: the schedule the paper's PDrop KV-cache column
     implies. (This package's engine compacts every layer's cache instead.)"""
     stages_ = pyramid_stages(kept, n_visual, n_layers, stages)

@@ -6,14 +6,14 @@ Pure tensor functions, independent of any model library. The flow follows the pa
 1. :func:`build_evidence` turns the raw attention at the pruning layer into three distributions over
    the N visual tokens: the prior Q (separator row), the posterior P (instruction rows) and the
    last-prompt-token row used by FastV.
-2. A named scoring rule from the registry (:func:`get_rule`) maps that evidence to per-token scores.
+2. A scoring rule (``priortr.methods``, e.g. ``methods/priortr.py`` for Eq. (8)) maps that evidence to
+   per-token scores.
 3. :func:`resolve_budget` and :func:`select_top_k` turn the scores into the indices that are kept.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,122 +167,6 @@ def build_evidence(
         last=l1_normalise(last),
         seed=seed,
     )
-
-
-Rule = Callable[[Evidence], torch.Tensor]
-"""A scoring rule: evidence -> scores [B, N] float32, higher = keep."""
-
-
-@dataclass(frozen=True)
-class RuleInfo:
-    """A registered scoring rule with a one-line summary and the paper it comes from."""
-
-    name: str
-    fn: Rule
-    summary: str
-    source: str
-
-
-_RULES: dict[str, RuleInfo] = {}
-
-
-def register_rule(name: str, *, summary: str, source: str) -> Callable[[Rule], Rule]:
-    """Decorator adding a scoring rule to the registry under ``name``; a duplicate name raises ValueError."""
-
-    def decorator(fn: Rule) -> Rule:
-        if name in _RULES:
-            raise ValueError(f"scoring rule {name!r} is already registered")
-        _RULES[name] = RuleInfo(name=name, fn=fn, summary=summary, source=source)
-        return fn
-
-    return decorator
-
-
-def get_rule(name: str) -> RuleInfo:
-    """Look up a registered scoring rule by name; an unknown name raises ValueError listing the options."""
-    try:
-        return _RULES[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_rules())}") from None
-
-
-def available_rules() -> list[str]:
-    """Names of all registered scoring rules, sorted."""
-    return sorted(_RULES)
-
-
-@register_rule(
-    "priortr",
-    summary="P * log((P + eps) / (Q + eps)): posterior mass times lift over the prior",
-    source="PriorTR, Eq. (8) and Appendix 'Computing Scores'",
-)
-def _score_priortr(evidence: Evidence) -> torch.Tensor:
-    """Per-token contribution to the masked usable information (Eq. (7)), smoothed with ε."""
-    p, q = evidence.posterior, evidence.prior  # [B, N]
-    return p * torch.log((p + EPS) / (q + EPS))
-
-
-@register_rule(
-    "prior", summary="Q: separator-token attention (model-induced prior)", source="PriorTR, Eq. (3)"
-)
-def _score_prior(evidence: Evidence) -> torch.Tensor:
-    """Rank by the instruction-agnostic prior alone (Sec. 4.3 scoring-function ablation)."""
-    return evidence.prior
-
-
-@register_rule(
-    "posterior", summary="P: instruction-token attention (raw attention ranking)", source="PriorTR, Eq. (2)"
-)
-def _score_posterior(evidence: Evidence) -> torch.Tensor:
-    """Rank by the posterior magnitude, the baseline score that prior-dominated masking affects."""
-    return evidence.posterior
-
-
-@register_rule(
-    "diff", summary="P - Q: posterior minus prior", source="PriorTR, Sec. 4.3 scoring-function ablation"
-)
-def _score_diff(evidence: Evidence) -> torch.Tensor:
-    """Subtract the prior baseline from the posterior (ablation)."""
-    return evidence.posterior - evidence.prior
-
-
-@register_rule(
-    "logratio",
-    summary="log((P + eps) / (Q + eps)): pointwise lift only",
-    source="PriorTR, Eq. (6) (PVI); Sec. 4.3 scoring-function ablation",
-)
-def _score_logratio(evidence: Evidence) -> torch.Tensor:
-    """Rank by the pointwise V-information (semantic lift) without the posterior weight (ablation)."""
-    p, q = evidence.posterior, evidence.prior  # [B, N]
-    return torch.log((p + EPS) / (q + EPS))
-
-
-@register_rule(
-    "entropy", summary="P log P - Q log Q (0 log 0 = 0)", source="PriorTR, Sec. 4.3 scoring-function ablation"
-)
-def _score_entropy(evidence: Evidence) -> torch.Tensor:
-    """Difference of per-token entropy terms (ablation); ``xlogy`` makes a zero mass contribute zero."""
-    p, q = evidence.posterior, evidence.prior  # [B, N]
-    return torch.xlogy(p, p) - torch.xlogy(q, q)
-
-
-@register_rule("fastv", summary="attention of the last prompt token", source="FastV, Chen et al., ECCV 2024")
-def _score_fastv(evidence: Evidence) -> torch.Tensor:
-    """FastV's ranking signal: the last prompt token's head-aggregated attention."""
-    return evidence.last
-
-
-@register_rule(
-    "random",
-    summary="uniform random scores from a generator seeded with evidence.seed",
-    source="random-pruning baseline (control)",
-)
-def _score_random(evidence: Evidence) -> torch.Tensor:
-    """Seeded uniform scores: reproducible for a seed and blind to the attention values. Every image
-    gets the same draw, so a row's choice does not depend on the batch it runs in."""
-    generator = torch.Generator().manual_seed(evidence.seed)
-    scores = torch.rand(evidence.prior.shape[-1], generator=generator, dtype=torch.float32)  # [N]
-    return scores.to(evidence.prior.device).expand_as(evidence.prior)
 
 
 def resolve_budget(budget: int | float, n_visual: int) -> int:

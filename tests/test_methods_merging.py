@@ -1,4 +1,4 @@
-"""Tests for priortr.selectors.merging: VisionZip, PruMerge(+), SparseVLM, PriorTR+Merging and helpers."""
+"""Tests for the merging methods of priortr.methods: VisionZip, PruMerge(+), SparseVLM, PriorTR+Merging."""
 
 from __future__ import annotations
 
@@ -7,20 +7,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from priortr.methods.clustering import dpc_knn, kmeans
+from priortr.methods.priortr import priortr_merge
+from priortr.methods.prumerge import prumerge
+from priortr.methods.recycling import recycle_counts, split_budget
+from priortr.methods.sparsevlm import sparsevlm, sparsevlm_stages
+from priortr.methods.visionzip import visionzip
 from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs
-from priortr.selectors import merging
-from priortr.selectors.merging import (
-    dpc_knn,
-    kmeans,
-    priortr_merge,
-    prumerge,
-    recycle_counts,
-    sparsevlm,
-    sparsevlm_stages,
-    split_budget,
-    visionzip,
-)
 
 METHODS: dict[str, Callable[..., Selection]] = {
     "visionzip": visionzip,
@@ -196,7 +190,7 @@ def test_vision_keys_of_wrong_shape_raise() -> None:
         (visionzip, {"contextual_ratio": 1.5}, "contextual_ratio"),
         (visionzip, {"contextual_ratio": float("nan")}, "contextual_ratio"),
         (prumerge, {"neighbours": 0}, "neighbours"),
-        (prumerge, {"adaptive": "yes"}, "bools"),
+        (prumerge, {"adaptive": "yes"}, "True or False"),
         (sparsevlm, {"recycle_ratio": 0.0}, "recycle_ratio"),
         (sparsevlm, {"tokens_per_cluster": 0}, "tokens_per_cluster"),
         (sparsevlm, {"clustering": "agglomerative"}, "clustering"),
@@ -534,4 +528,4 @@ def test_sparsevlm_stages_edge_cases() -> None:
 def test_every_public_selector_cites_its_paper() -> None:
     for fn, venue in [(visionzip, "CVPR 2025"), (prumerge, "ICCV 2025"), (sparsevlm, "ICML 2025")]:
         assert venue in (fn.__doc__ or "")
-    assert "PriorTR+Merging" in (merging.priortr_merge.__doc__ or "")
+    assert "PriorTR+Merging" in (priortr_merge.__doc__ or "")

@@ -1,4 +1,4 @@
-"""Tests for priortr.selectors.diversity: DivPrune, DART and VisPruner on hand-made visual tokens."""
+"""Tests for the diversity methods of priortr.methods: DivPrune, DART and VisPruner on hand-made tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from priortr.methods.dart import dart
+from priortr.methods.divprune import divprune
+from priortr.methods.vispruner import vispruner
 from priortr.selection import Selection, StageInputs
-from priortr.selectors.diversity import dart, divprune, vispruner
 
 SELECTORS: dict[str, Callable[[StageInputs], Selection]] = {
     "divprune": divprune,
@@ -335,7 +337,7 @@ def test_vispruner_matches_a_plain_python_reference(ratio: float, step: int) -> 
 
 def test_vispruner_without_cls_attention_raises_and_names_alternatives() -> None:
     hidden = _vispruner_tokens(token_5=NORTH, token_7=SOUTH_WEST)
-    with pytest.raises(ValueError, match=r"inputs\.vision_cls.*use divprune or dart"):
+    with pytest.raises(ValueError, match=r"inputs\.vision_cls.*use divprune, dart"):
         vispruner(_inputs(hidden, 4))
 
 

@@ -1,0 +1,138 @@
+"""The registry of pruning methods: what each one reads, where it prunes, and the paper it comes from.
+
+A method is a selector (a pure tensor function ``StageInputs -> Selection``, ``priortr.selection``)
+plus where it acts: ``vision`` (on the visual tokens before the language model, from vision-tower
+evidence), ``layer`` (after one decoder layer, from that layer's attention or hidden states) or
+``layers`` (several decoder layers, a schedule of stages). A scoring rule (``Evidence -> scores``,
+e.g. PriorTR's Eq. (8)) registers as a ``layer`` method that keeps its top-K scores. The engine runs
+every method through the same hooks, so they are compared on the same model, budget and harness.
+Each method lives in its own module of this package and registers itself there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from priortr.scoring import Evidence
+from priortr.selection import Selection, StageInputs, top_k
+
+WHERE = ("vision", "layer", "layers")
+NEEDS = ("attention", "text_rows", "vision")
+
+Selector = Callable[..., Selection]
+Rule = Callable[[Evidence], torch.Tensor]
+"""A scoring rule: evidence -> scores [B, N] float32, higher = keep."""
+Schedule = Callable[[int, int, int, int], list[tuple[int, int]]]
+"""(K, N, layer, n_layers) -> [(0-indexed scored layer, visual tokens kept after it), ...]."""
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A registered pruning method.
+
+    Attributes:
+        name: the name ``priortr.apply`` and ``--method`` accept.
+        where: ``vision``, ``layer`` or ``layers`` (see the module docstring).
+        select: the selector; its keyword-only parameters are the method's knobs.
+        needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
+            layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
+            and/or ``vision`` (the vision tower's [CLS] attention and keys).
+        summary, source: one line each for ``priortr methods`` and the README.
+        schedule: the stages of a ``layers`` method; None runs one stage.
+        rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
+    """
+
+    name: str
+    where: str
+    select: Selector
+    needs: frozenset[str]
+    summary: str
+    source: str
+    schedule: Schedule | None = None
+    rule: Rule | None = None
+
+    @property
+    def knobs(self) -> dict[str, object]:
+        """The selector's keyword-only parameters and their defaults."""
+        parameters = inspect.signature(self.select).parameters.values()
+        return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+_METHODS: dict[str, MethodInfo] = {}
+
+
+def _add(info: MethodInfo) -> None:
+    if info.name in _METHODS:
+        raise ValueError(f"method {info.name!r} is already registered")
+    _METHODS[info.name] = info
+
+
+def register_method(
+    name: str,
+    *,
+    where: str,
+    needs: tuple[str, ...] = (),
+    summary: str,
+    source: str,
+    schedule: Schedule | None = None,
+) -> Callable[[Selector], Selector]:
+    """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError."""
+    if where not in WHERE:
+        raise ValueError(f"where must be one of {', '.join(WHERE)}; got {where!r}")
+    unknown = set(needs) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"unknown evidence {sorted(unknown)}; options: {', '.join(NEEDS)}")
+    if (where == "layers") != (schedule is not None):
+        raise ValueError("a 'layers' method needs a schedule, and only a 'layers' method has one")
+
+    def decorator(fn: Selector) -> Selector:
+        _add(MethodInfo(name, where, fn, frozenset(needs), summary, source, schedule))
+        return fn
+
+    return decorator
+
+
+def _rule_selector(rule: Rule, inputs: StageInputs) -> Selection:
+    return top_k(rule(inputs.attention), inputs.budget)
+
+
+def register_rule(name: str, *, summary: str, source: str) -> Callable[[Rule], Rule]:
+    """Decorator registering a scoring rule as a one-layer method keeping its top-K scores."""
+
+    def decorator(fn: Rule) -> Rule:
+        selector = partial(_rule_selector, fn)
+        _add(MethodInfo(name, "layer", selector, frozenset({"attention"}), summary, source, rule=fn))
+        return fn
+
+    return decorator
+
+
+def get_method(name: str) -> MethodInfo:
+    """Look up a method by name; an unknown name raises ValueError listing the options."""
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
+
+
+def get_rule(name: str) -> MethodInfo:
+    """Look up a method registered as a scoring rule (its ``rule`` is set); others raise ValueError."""
+    info = _METHODS.get(name)
+    if info is None or info.rule is None:
+        raise ValueError(f"unknown scoring rule {name!r}; available: {', '.join(available_rules())}")
+    return info
+
+
+def available_methods() -> list[str]:
+    """Names of every registered method, scoring rules included, sorted."""
+    return sorted(_METHODS)
+
+
+def available_rules() -> list[str]:
+    """Names of the methods registered as scoring rules, sorted."""
+    return sorted(name for name, info in _METHODS.items() if info.rule is not None)

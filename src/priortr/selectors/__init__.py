@@ -1,1 +1,0 @@
-"""Selectors: pure tensor functions that decide which visual tokens survive a pruning stage."""
