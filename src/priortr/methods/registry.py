@@ -22,7 +22,7 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "text_rows", "vision")
+NEEDS = ("attention", "text_rows", "vision", "input_embeddings")
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
@@ -40,8 +40,9 @@ class MethodInfo:
         where: ``vision``, ``layer`` or ``layers`` (see the module docstring).
         select: the selector; its keyword-only parameters are the method's knobs.
         needs: evidence the engine must gather: ``attention`` (prior, posterior, last row at the scored
-            layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``)
-            and/or ``vision`` (the vision tower's [CLS] attention and keys).
+            layer), ``text_rows`` (each instruction row over the visual tokens, with ``attention``),
+            ``vision`` (the vision tower's [CLS] attention and keys) and/or ``input_embeddings`` (the
+            text rows' and the image's input embeddings, as they enter decoder layer 0).
         summary, source: one line each for ``priortr methods`` and the README.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
