@@ -38,6 +38,10 @@ def test_one_image_reads_its_own_separator_and_the_rows_after_it():
     assert rows.prior.tolist() == [2]  # the row of position 7
     assert rows.posterior.tolist() == [False, False, False, True, True, False]
     assert rows.last == 4  # position 9
+    # SparseVLM's rater candidates: the text from the separator on, whatever posterior_rows says.
+    assert rows.after_image.tolist() == [False, False, True, True, True, False]
+    image_a = _pool([VisualItem(0, torch.tensor([1, 2]), 3)])
+    assert pool_rows(image_a, ROWS, WIDTH, "last").after_image.tolist() == [True] * 5 + [False]
     assert pool_rows(image_b, ROWS, WIDTH, "from_separator").posterior.tolist() == [
         False,
         False,

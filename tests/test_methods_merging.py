@@ -12,7 +12,7 @@ from priortr.methods.clustering import dpc_knn, kmeans
 from priortr.methods.priortr import priortr_merge
 from priortr.methods.prumerge import prumerge
 from priortr.methods.recycling import recycle_counts, split_budget
-from priortr.methods.sparsevlm import sparsevlm, sparsevlm_stages
+from priortr.methods.sparsevlm import sparsevlm, sparsevlm_raters, sparsevlm_stages
 from priortr.methods.visionzip import visionzip
 from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs
@@ -22,6 +22,7 @@ METHODS: dict[str, Callable[..., Selection]] = {
     "prumerge": prumerge,
     "prumerge_plus": lambda inputs: prumerge(inputs, plus=True),
     "sparsevlm": sparsevlm,
+    "sparsevlm_in_budget": lambda inputs: sparsevlm(inputs, recycling="in_budget"),
     "sparsevlm_kmeans": lambda inputs: sparsevlm(inputs, clustering="kmeans"),
     "priortr_merge": priortr_merge,
     "priortr_merge_dpc": lambda inputs: priortr_merge(inputs, clustering="dpc_knn"),
@@ -46,6 +47,9 @@ def _random_inputs(budget: int = 12, batch: int = 2, n_visual: int = 40, seed: i
         ),
         text_rows=rows,
         text_valid=valid,
+        text_embeddings=torch.randn(batch, 5, 8, generator=gen),
+        text_after=valid,
+        visual_embeddings=torch.randn(batch, n_visual, 8, generator=gen),
         vision_cls=torch.softmax(torch.randn(batch, n_visual, generator=gen), dim=-1),
         vision_keys=torch.randn(batch, 2, n_visual, 4, generator=gen),
         vision_cls_last=torch.softmax(torch.randn(batch, n_visual, generator=gen), dim=-1),
@@ -65,6 +69,9 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
         ),
         text_rows=inputs.text_rows[b : b + 1],
         text_valid=inputs.text_valid[b : b + 1],
+        text_embeddings=inputs.text_embeddings[b : b + 1],
+        text_after=inputs.text_after[b : b + 1],
+        visual_embeddings=inputs.visual_embeddings[b : b + 1],
         vision_cls=inputs.vision_cls[b : b + 1],
         vision_keys=inputs.vision_keys[b : b + 1],
         vision_cls_last=inputs.vision_cls_last[b : b + 1],
@@ -91,6 +98,13 @@ def _replace(inputs: StageInputs, **changes: object) -> StageInputs:
 
 
 # --- the contract, for every method ----------------------------------------------------------------
+
+
+def _count(name: str, budget: int, n_visual: int = 40) -> int:
+    """Survivors of a budget: K, or K plus the recycled clusters for SparseVLM's default (the authors')."""
+    if name in ("sparsevlm", "sparsevlm_kmeans"):
+        return budget + recycle_counts(n_visual - budget, 0.3, 10)[1]
+    return budget
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -185,9 +199,16 @@ def test_vision_methods_without_cls_evidence_raise(method: Callable[..., Selecti
         method(inputs)
 
 
-def test_sparsevlm_without_text_rows_raises() -> None:
-    with pytest.raises(ValueError, match=r"text_rows.*visionzip or prumerge"):
-        sparsevlm(_replace(_random_inputs(), text_rows=None))
+@pytest.mark.parametrize("missing", ["text_rows", "text_embeddings", "text_after", "visual_embeddings"])
+def test_sparsevlm_without_its_evidence_raises(missing: str) -> None:
+    with pytest.raises(ValueError, match=rf"inputs\.{missing} missing.*input_embeddings"):
+        sparsevlm(_replace(_random_inputs(), **{missing: None}))
+
+
+def test_sparsevlm_evidence_of_wrong_shape_raises() -> None:
+    inputs = _random_inputs()
+    with pytest.raises(ValueError, match=r"text_embeddings \[B, R, D\]"):
+        sparsevlm(_replace(inputs, text_embeddings=inputs.text_embeddings[:, :3]))
 
 
 def test_priortr_merge_without_attention_raises() -> None:
@@ -205,7 +226,7 @@ def test_image_without_valid_instruction_row_raises() -> None:
     valid = inputs.text_valid.clone()
     valid[1] = False
     with pytest.raises(ValueError, match="image 1 has no valid instruction row"):
-        sparsevlm(_replace(inputs, text_valid=valid))
+        priortr_merge(_replace(inputs, text_valid=valid), adaptive=True)
 
 
 def test_vision_keys_of_wrong_shape_raise() -> None:
@@ -224,6 +245,7 @@ def test_vision_keys_of_wrong_shape_raise() -> None:
         (sparsevlm, {"recycle_ratio": 0.0}, "recycle_ratio"),
         (sparsevlm, {"tokens_per_cluster": 0}, "tokens_per_cluster"),
         (sparsevlm, {"clustering": "agglomerative"}, "clustering"),
+        (sparsevlm, {"recycling": "inside"}, "recycling"),
         (priortr_merge, {"adaptive": 1}, "adaptive"),
         (priortr_merge, {"clustering": "spectral"}, "clustering"),
     ],
@@ -440,38 +462,65 @@ HIDDEN = torch.tensor(
 RECYCLE_ALL = {"recycle_ratio": 1.0, "tokens_per_cluster": 5}  # K = 4 of 10: kept 2, clusters 2 of 8
 
 
-def _text_inputs(rows: list[list[float]], budget: int) -> StageInputs:
+def _text_inputs(rows: list[list[float]], budget: int, text: list[list[float]] | None = None) -> StageInputs:
+    """One image: instruction rows' attention ``rows`` [R][N]; every visual input embedding is (1, 0),
+    text input embeddings ``text`` [R][2] (default: all equal, so every row rates)."""
     text_rows = torch.tensor([rows])
-    valid = torch.ones(text_rows.shape[:2], dtype=torch.bool)
+    n_rows, n_visual = text_rows.shape[1:]
+    valid = torch.ones(1, n_rows, dtype=torch.bool)
     return StageInputs(
-        budget=budget, hidden=torch.randn(1, text_rows.shape[2], 3), text_rows=text_rows, text_valid=valid
+        budget=budget,
+        hidden=torch.randn(1, n_visual, 3, generator=torch.Generator().manual_seed(0)),
+        text_rows=text_rows,
+        text_valid=valid,
+        text_embeddings=torch.tensor([text or [[0.0, 0.0]] * n_rows]),
+        text_after=valid,
+        visual_embeddings=torch.tensor([[1.0, 0.0]]).expand(1, n_visual, 2),
     )
 
 
-def test_sparsevlm_raters_are_the_relevant_instruction_rows() -> None:
-    # Rows 0 and 1 carry the instruction's attention; row 2 is a weak row that prefers token 4.
+def test_sparsevlm_raters_by_hand() -> None:
+    # m = mean over the image of softmax(visual . text): visual (1, 0) and (0, 1), text (2, 0), (0, 2),
+    # (0, 0): m = (e^2 + 1, e^2 + 1, 2) / (2 (e^2 + 2)) = (0.447, 0.447, 0.106), mean 1/3: rows 0 and 1.
+    visual = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    text = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])
+    after = torch.ones(1, 3, dtype=torch.bool)
+    assert sparsevlm_raters(text, after, visual).tolist() == [[True, True, False]]
+    # Only rows after the image take part; with no row above the mean, all of them rate.
+    after = torch.tensor([[False, True, True]])
+    assert sparsevlm_raters(text, after, visual).tolist() == [[False, True, False]]
+    equal = torch.zeros(1, 3, 2)
+    assert sparsevlm_raters(equal, after, visual).tolist() == [[False, True, True]]
+
+
+def test_sparsevlm_raters_are_chosen_from_the_input_embeddings() -> None:
+    # Rows 0 and 1 carry the instruction's attention; row 2 is a weak row that prefers token 4. The
+    # input embeddings make rows 0 and 1 the raters: m = (0.497, 0.497, 0.003), mean 1/3.
     rows = [[0.5, 0.1, 0.1, 0.1, 0.1, 0.1], [0.1, 0.5, 0.1, 0.1, 0.1, 0.1], [0.0, 0.0, 0.0, 0.0, 0.05, 0.0]]
-    # K = 4 of 6: kept 3 + 1 recycled singleton; the raters score 0, 1 at 0.3 and 2..5 at 0.1 (ties: lower)
-    assert sparsevlm(_text_inputs(rows, 4)).kept.tolist() == [[0, 1, 2, 3]]
-    every_row = torch.tensor(rows).mean(0)
-    assert every_row[4] > every_row[2]  # negative control: without rater selection token 4 would be kept
+    text = [[6.0, 0.0], [6.0, 0.0], [0.0, 0.0]]
+    # K = 3 of 6: raters score 0, 1 at 0.3 and 2..5 at 0.1 (ties: lower index): kept 0, 1, 2; of the 3
+    # pruned, int(0.9) + 1 = 1 is recycled as its own cluster, on top: 4 survivors.
+    selection = sparsevlm(_text_inputs(rows, 3, text))
+    assert selection.kept.tolist() == [[0, 1, 2, 3]]
+    # Negative control: every row rating (equal text embeddings) keeps token 4 and recycles token 2.
+    assert sparsevlm(_text_inputs(rows, 3)).kept.tolist() == [[0, 1, 2, 4]]
+    # The budget-exact option fits the recycled cluster into K: kept 2 + 1 cluster.
+    assert sparsevlm(_text_inputs(rows, 3, text), recycling="in_budget").kept.tolist() == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize("clustering", ["kmeans", "dpc_knn"])
 def test_sparsevlm_recycles_pruned_tokens_into_cluster_means(clustering: str) -> None:
     scores = [[1.0, 0.9, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15]]
-    inputs = StageInputs(
-        budget=4,
-        hidden=HIDDEN,
-        text_rows=torch.tensor([scores]),
-        text_valid=torch.ones(1, 1, dtype=torch.bool),
-    )
-    selection = sparsevlm(inputs, clustering=clustering, **RECYCLE_ALL)
+    inputs = _replace(_text_inputs(scores, 4), hidden=HIDDEN)
+    selection = sparsevlm(inputs, recycling="in_budget", clustering=clustering, **RECYCLE_ALL)
     assert selection.kept.tolist() == [[0, 1, 2, 3]]
     h = HIDDEN[0]
     expected = torch.stack([h[0], h[1], h[[2, 4, 6, 8]].mean(0), h[[3, 5, 7, 9]].mean(0)])
     torch.testing.assert_close(_merged(selection, HIDDEN)[0], expected)
     assert selection.merge[0, 1].tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]  # plainly kept: one-hot
+    # The authors' default: the clusters come on top of K = 4 (kept 4, clusters 2 of the 6 pruned).
+    on_top = sparsevlm(inputs, clustering=clustering, **RECYCLE_ALL)
+    assert on_top.kept.shape[1] == 4 + 2
 
 
 def _priortr_evidence() -> Evidence:

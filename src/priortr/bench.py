@@ -248,6 +248,8 @@ def run_case(
                 overhead.append(
                     sum(clock.elapsed_ms(f"score_start_{i}", f"score_end_{i}") for i in range(len(stages)))
                 )
+        if stages:  # the tokens each stage left: SparseVLM recycles clusters on top of its counts
+            stages = [(stage.layer, stage.kept.shape[1]) for stage in pruning.last.stages]
         cache = output.past_key_values
         kv_bytes = sum(
             t.numel() * t.element_size() for layer_ in cache.layers for t in (layer_.keys, layer_.values)
@@ -338,7 +340,7 @@ def run_bench(
             model, inputs, method, budget, warmup, repeats, new_tokens, decode_repeats, layer, options
         )
         stages = measured.pop("stages")
-        kept = stages[-1][1] if stages else n_visual  # a schedule (SparseVLM) may end below the budget
+        kept = stages[-1][1] if stages else n_visual  # a schedule (SparseVLM) may end off the budget
         flops = batch * scheduled_prefill_flops(config, seq - n_visual, n_visual, stages, exact=True)
         expected_kv = kv_cache_bytes(config, seq - n_visual + kept, dtype.itemsize, batch, pruned_from=None)
         case = CaseResult(

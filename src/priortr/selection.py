@@ -32,6 +32,11 @@ class StageInputs:
             after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
             False are padding and must be ignored.
         text_valid: [B, R] bool.
+        text_embeddings: [B, R, D] the language model's input embeddings (the hidden states entering
+            decoder layer 0) of the same R rows as ``text_rows``, in the model's dtype.
+        visual_embeddings: [B, N0, D] the input embeddings of every visual token the image had before
+            any stage (N0 >= N), in prompt order. These two (and ``text_after``) are gathered only for
+            methods that declare ``input_embeddings`` (SparseVLM chooses its text raters from them).
         vision_cls: [B, N] float32 (float64 for a float64 tower) head-mean attention of the vision
             tower's [CLS] query over the visual tokens, at the vision layer whose output the model
             uses; None without a [CLS].
@@ -57,6 +62,8 @@ class StageInputs:
     attention: Evidence | None = None
     text_rows: torch.Tensor | None = None
     text_valid: torch.Tensor | None = None
+    text_embeddings: torch.Tensor | None = None
+    visual_embeddings: torch.Tensor | None = None
     vision_cls: torch.Tensor | None = None
     vision_keys: torch.Tensor | None = None
     keys: torch.Tensor | None = None

@@ -7,6 +7,8 @@ and padding masks applied explicitly (``priortr.probe``). Out of those rows each
 (its item's separator row), the rows averaged into its posterior P and the last prompt token's row.
 Methods ranked by the vision tower read its [CLS] attention, keys and features, captured when the tower
 ran (``VISION_NEEDS``).
+Methods that weigh the prompt's text against the image at the input (SparseVLM's raters) read the
+hidden states that entered decoder layer 0, captured as it ran.
 
 Pools with the same size and budget at a stage form one ``Group``: one selector call ranks them all.
 """
@@ -62,14 +64,16 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
-def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int) -> list[Group]:
-    """The pools that stage ``layer`` ranks, grouped by (size, budget)."""
-    by_key: dict[tuple[int, int], list[int]] = {}
+def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int, by_input_size: bool = False) -> list[Group]:
+    """The pools that stage ``layer`` ranks, grouped by (size, budget), and by their size at the input
+    too when ``by_input_size`` (methods that read every input token of an image)."""
+    by_key: dict[tuple[int, int, int], list[int]] = {}
     for index, pool in enumerate(plan.pools):
         if layer in pool.stages:
-            by_key.setdefault((pool.size, min(pool.stages[layer], pool.size)), []).append(index)
+            input_size = sum(item.size for item in pool.items) if by_input_size else 0
+            by_key.setdefault((pool.size, min(pool.stages[layer], pool.size), input_size), []).append(index)
     out = []
-    for (_, budget), indices in by_key.items():
+    for (_, budget, _), indices in by_key.items():
         pools = [plan.pools[i] for i in indices]
         rows = [pool.row for pool in pools]
         row_index = sequence.row_index(rows)  # [G]
@@ -98,16 +102,19 @@ def stage_inputs(
     config: PruningConfig,
     vision: dict[str, torch.Tensor] | None,
     tokens: dict[str, torch.Tensor] | None = None,
+    embeddings: dict[str, torch.Tensor] | None = None,
 ) -> StageInputs:
     """Everything the method asks for about ``group``'s tokens: hidden states [G, n, D], attention
     evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row,
-    the per-token features of ``token_evidence``."""
+    the per-token features of ``token_evidence``, the input embeddings (``input_embeddings``)."""
     visual_hidden = hidden[group.rows[:, None], group.columns]  # [G, n, D]
-    fields: dict[str, Any] = dict(tokens or {})
+    fields: dict[str, Any] = {**(tokens or {}), **(embeddings or {})}
     if attention is not None:
         fields.update(group_attention(attention, group, [plan.pool_rows[i] for i in group.indices], config))
     if vision is not None:
         fields.update(vision)
+    if embeddings is not None:
+        fields.update(embeddings)
     return StageInputs(budget=group.budget, hidden=visual_hidden, seed=config.seed, **fields)
 
 
@@ -306,3 +313,24 @@ def vision_evidence(
     if "vision_keys" in out:
         out["vision_keys"] = out["vision_keys"].permute(0, 2, 1, 3)  # [G, H, n, d]
     return out
+
+
+def input_embeddings(
+    embeddings: torch.Tensor | None, input_positions: list[torch.Tensor], plan: PrefillPlan, group: Group
+) -> dict[str, torch.Tensor]:
+    """The group's text rows and input visual tokens as they entered decoder layer 0 (``embeddings``
+    [B, S, D], captured there); ``input_positions`` are every pool's positions before any stage."""
+    if embeddings is None:
+        raise ValueError(
+            "the input embeddings were not captured: the language model's first decoder layer did not run "
+            "in this prefill"
+        )
+    rows = group.rows.to(embeddings.device)  # [G]
+    text = plan.rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
+    visual = _stack([input_positions[i] for i in group.indices]).to(embeddings.device)  # [G, N0]
+    after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R] host
+    return {
+        "text_embeddings": embeddings[rows[:, None], text],  # [G, R, D]
+        "text_after": to_device(after, embeddings.device),
+        "visual_embeddings": embeddings[rows[:, None], visual],  # [G, N0, D]
+    }

@@ -108,9 +108,14 @@ class PruningEngine:
         return (), call
 
     def _arm(self, prefill: Prefill) -> None:
-        """Hooks for this prefill only: a pre-hook on every layer from the first stage on, and the q/k
-        projections of each scored layer (attention methods)."""
+        """Hooks for this prefill only: a pre-hook on every layer from the first stage on, the q/k
+        projections of each scored layer (attention methods), and the first layer's input (methods
+        that read the input embeddings)."""
         stages = prefill.plan.stages
+        if prefill.input_positions is not None:
+            self._armed.append(
+                self.layers[0].register_forward_pre_hook(_capture_input(prefill), with_kwargs=True)
+            )
         for index in range(max(stages[0], 0), len(self.layers)):
             hook = self._before_layer(prefill, index)
             self._armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
@@ -178,6 +183,16 @@ def _capture(prefill: Prefill, name: str) -> Callable:
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         prefill.captured[name] = output
+
+    return hook
+
+
+def _capture_input(prefill: Prefill) -> Callable:
+    """Forward pre-hook keeping the hidden states that enter the first decoder layer (the language
+    model's input embeddings), before any stage runs."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        prefill.captured["embeddings"] = args[0] if args else kwargs["hidden_states"]
 
     return hook
 

@@ -21,6 +21,7 @@ from priortr.engine.cut import Decision, cut
 from priortr.engine.evidence import (
     attention_at_layer,
     groups,
+    input_embeddings,
     next_layer_attention,
     stage_inputs,
     token_evidence,
@@ -62,6 +63,9 @@ class Prefill:
         self.captured: dict[str, Any] = {}
         self.cache: Any = None
         self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
+        self.input_positions: list[torch.Tensor] | None = None
+        if "input_embeddings" in config.method.needs:  # pools narrow stage by stage; keep their start
+            self.input_positions = [pool.positions for pool in plan.pools]
         self._layer_inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
 
     @property
@@ -110,12 +114,12 @@ class Prefill:
                     rope = tuple(gather_sequence(part, self.sequence.positions) for part in rope)
                 attention = next_layer_attention(plan, self.sequence, hidden, next_layer, rope, self.adapter)
             decisions = []
-            for group in groups(plan, self.sequence, layer):
+            for group in groups(plan, self.sequence, layer, self.input_positions is not None):
                 vision, project = None, None
                 if self.vision is not None:
                     probe, capture = self.vision
                     vision, project = vision_evidence(capture, probe, plan, group, method), probe.projector
-                tokens = None
+                tokens = embeddings = None
                 if method.needs & {"keys", "final_norm"}:
                     tokens = token_evidence(
                         group,
@@ -127,7 +131,11 @@ class Prefill:
                         self.final_norm,
                         method.needs,
                     )
-                inputs = stage_inputs(group, hidden, attention, plan, config, vision, tokens)
+                if self.input_positions is not None:
+                    embeddings = input_embeddings(
+                        self.captured.get("embeddings"), self.input_positions, plan, group
+                    )
+                inputs = stage_inputs(group, hidden, attention, plan, config, vision, tokens, embeddings)
                 selection = method.select(inputs, **config.options)
                 if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
                     raise ValueError(

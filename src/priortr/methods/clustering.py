@@ -88,11 +88,13 @@ def dpc_knn(points: torch.Tensor, n_clusters: int) -> torch.Tensor:
     by sqrt(D); a point's density is exp(-mean squared distance to its k = C nearest points, itself
     included); its peak distance is the distance to the nearest point of higher density (the largest
     distance for the densest point). The C points with the largest density x peak distance are the
-    centres, and every point joins its nearest centre. Deviation: the authors break density ties
-    with uniform noise of 1e-6; here the lower index counts as denser, so the result is reproducible.
+    centres, and every point joins its nearest centre. Computed in float32, or float64 for float64
+    points. Deviation: the authors break density ties with uniform noise of 1e-6 (ties are systematic
+    for C = 2, where two mutual nearest neighbours have the same density); here the lower index counts
+    as denser, so the result is reproducible.
     """
     _check_cluster_args(points, n_clusters)
-    points = points.float()
+    points = points.to(torch.promote_types(points.dtype, torch.float32))
     distance = _distances(points, points) / math.sqrt(points.shape[1])  # [M, M]
     nearest = torch.sort(distance, dim=-1, stable=True).values[:, :n_clusters]  # [M, C]
     density = torch.exp(-(nearest**2).mean(dim=-1))  # [M]

@@ -69,7 +69,7 @@ def recycle_groups(
     n_candidates = min(pruned.numel(), math.floor(pruned.numel() * recycle_ratio) + 1)
     candidates = pruned[:n_candidates]  # [M], highest score first
     n_clusters = min(n_clusters, n_candidates)
-    labels = CLUSTERINGS[clustering](hidden[candidates].float(), n_clusters)  # [M]
+    labels = CLUSTERINGS[clustering](hidden[candidates], n_clusters)  # [M]
     for cluster in range(n_clusters):
         members = candidates[labels == cluster]  # in descending score order
         groups.append(uniform_group(members, int(members[0])))

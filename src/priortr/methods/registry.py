@@ -22,7 +22,17 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
-NEEDS = ("attention", "text_rows", "vision", "vision_last", "features", "next_attention", "keys", "final_norm")
+NEEDS = (
+    "attention",
+    "text_rows",
+    "vision",
+    "vision_last",
+    "features",
+    "next_attention",
+    "keys",
+    "final_norm",
+    "input_embeddings",
+)
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
@@ -46,10 +56,11 @@ class MethodInfo:
             once, and its keys: PruMerge's) and ``features`` (the tower's features before the
             projector, which a ``merge_space='features'`` Selection merges); inside the LLM
             ``next_attention`` (the same fields as ``attention``, from the attention of the layer
-            after the scored one computed on its input, before it runs), ``keys`` (the scored layer's keys of the visual
-            tokens and of the text rows, and the tokens' prompt positions), ``final_norm`` (the
-            scored layer's output through the language model's final norm, visual tokens and text
-            rows); ``StageInputs`` documents the fields.
+            after the scored one computed on its input, before it runs), ``keys`` (the scored layer's
+            keys of the visual tokens and of the text rows, and the tokens' prompt positions),
+            ``final_norm`` (the scored layer's output through the language model's final norm, visual
+            tokens and text rows), ``input_embeddings`` (the text rows' and the image's input embeddings, as they enter
+            decoder layer 0); ``StageInputs`` documents the fields.
         summary, source: one line each for ``priortr methods`` and the README.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.

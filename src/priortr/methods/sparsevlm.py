@@ -1,6 +1,8 @@
 """SparseVLM (Zhang et al., "SparseVLM: Visual Token Sparsification for Efficient Vision-Language Model
-Inference", ICML 2025): text raters score the visual tokens at a few decoder layers, and the best
-pruned tokens are recycled as cluster means. Authors' code: github.com/Gumpest/SparseVLMs.
+Inference", ICML 2025): text raters, chosen once from the input embeddings, score the visual tokens at
+three decoder layers, and the best pruned tokens are recycled as cluster means on top of each stage's
+count. Authors' code: github.com/Gumpest/SparseVLMs at 26a5f48813c46cd1c7364160354e7fdd3febaa67
+(default ``USE_VERSION=1_0``).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ import math
 
 import torch
 
-from priortr.methods.checks import check_budget, check_int, check_text_rows
+from priortr.methods.checks import check_budget, check_int
 from priortr.methods.groups import stack_plans
-from priortr.methods.recycling import check_recycling, recycle_groups, split_budget
+from priortr.methods.recycling import check_recycling, recycle_counts, recycle_groups, split_budget
 from priortr.methods.registry import register_method
 from priortr.selection import Selection, StageInputs, keep_all
 
@@ -34,8 +36,9 @@ def sparsevlm_stages(budget: int, n_visual: int, n_layers: int) -> list[tuple[in
     of 576 is nearest to ``budget / n_visual`` (ties: the larger) is scaled by budget / its budget,
     clamped to [1, N] and made non-increasing; the layers are scaled by ``n_layers / 32`` (made
     strictly increasing) so the same fraction of the depth runs at each count. The authors' code keeps
-    layers 2, 6, 15 for every depth (e.g. 40-layer 13B). Under this harness's rule the counts include
-    the recycled cluster tokens, which the authors add on top. Returns [] when ``budget >= n_visual``.
+    layers 2, 6, 15 for every depth (e.g. 40-layer 13B). The counts are each stage's top-k: the
+    recycled clusters come on top (``recycling='on_top'``, the authors') or inside them
+    (``'in_budget'``). Returns [] when ``budget >= n_visual``.
     """
     check_int("sparsevlm budget", budget, 1)
     check_int("sparsevlm n_visual", n_visual, 1)
@@ -64,27 +67,68 @@ def _schedule(kept: int, n_visual: int, layer: int, n_layers: int) -> list[tuple
     return sparsevlm_stages(kept, n_visual, n_layers)
 
 
-def _rater_scores(rows: torch.Tensor) -> torch.Tensor:
-    """SparseVLM's visual scores for one image from its instruction rows' attention ``rows`` [R, N].
+RECYCLING = ("on_top", "in_budget")
 
-    Raters are the instruction tokens whose relevance to the image is above the mean relevance; a
-    token's relevance is its share of each visual token's attention from the instruction (each column
-    normalised over the rows), averaged over the visual tokens. The visual score is the raters' mean
-    attention [N]. With every relevance equal, every row rates.
+
+def sparsevlm_raters(text: torch.Tensor, after_image: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """SparseVLM's text raters [B, R] (bool), chosen once, from the language model's input embeddings.
+
+    Authors' code (``modelling_sparse_llama.py``, "Select Text Raters", paper Sec. 3.2): every token
+    after the image (``after_image`` [B, R]) gets m = softmax over those tokens of (visual @ text^T),
+    averaged over the image's input tokens ``visual`` [B, N0, D]; raters are the tokens whose m is
+    above the mean m. ``text`` [B, R, D]. Computed in float32 or wider (the authors: the model's dtype).
+    When no token is above the mean (one text token, or all equal), where the authors' code averages
+    no row and its scores are NaN, every token after the image rates.
     """
-    column = rows.sum(dim=0, keepdim=True)  # [1, N]
-    share = torch.where(column > 0, rows / column.clamp_min(torch.finfo(rows.dtype).tiny), 0.0)  # [R, N]
-    relevance = share.mean(dim=-1)  # [R]
-    raters = relevance > relevance.mean()
-    if not raters.any():
-        raters = torch.ones_like(raters)
-    return rows[raters].mean(dim=0)  # [N]
+    dtype = torch.promote_types(text.dtype, torch.float32)
+    logits = visual.to(dtype) @ text.to(dtype).transpose(1, 2)  # [B, N0, R]
+    logits = logits.masked_fill(~after_image[:, None, :], float("-inf"))
+    relevance = logits.softmax(dim=-1).mean(dim=1)  # [B, R]
+    mean = relevance.sum(dim=-1, keepdim=True) / after_image.sum(dim=-1, keepdim=True)  # [B, 1]
+    raters = after_image & (relevance > mean)
+    return torch.where(raters.any(dim=-1, keepdim=True), raters, after_image)
+
+
+def _check_inputs(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """text_rows [B, R, N] (float32), text_embeddings [B, R, D], text_after [B, R], visual_embeddings
+    [B, N0, D], or a ValueError naming what is missing or misshapen."""
+    batch, n_visual = inputs.hidden.shape[:2]
+    fields = {
+        "text_rows": inputs.text_rows,
+        "text_embeddings": inputs.text_embeddings,
+        "text_after": inputs.text_after,
+        "visual_embeddings": inputs.visual_embeddings,
+    }
+    missing = [f"inputs.{name}" for name, value in fields.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"sparsevlm needs the instruction rows' attention and the input embeddings ({', '.join(missing)} "
+            "missing): run it at a decoder layer through the engine, which gathers them for a method that "
+            "declares 'attention', 'text_rows' and 'input_embeddings'"
+        )
+    rows, text, after, visual = fields.values()
+    n_rows = rows.shape[1] if rows.ndim == 3 else -1
+    shapes = {
+        "text_rows [B, R, N]": rows.ndim == 3 and tuple(rows.shape[::2]) == (batch, n_visual),
+        "text_embeddings [B, R, D]": text.ndim == 3 and tuple(text.shape[:2]) == (batch, n_rows),
+        "text_after bool [B, R]": after.dtype == torch.bool and tuple(after.shape) == (batch, n_rows),
+        "visual_embeddings [B, N0, D]": visual.ndim == 3
+        and visual.shape[0] == batch
+        and visual.shape[2] == text.shape[-1],
+    }
+    wrong = [name for name, ok in shapes.items() if not ok]
+    if wrong:
+        raise ValueError(
+            f"sparsevlm: inputs.{', inputs.'.join(wrong)} do not fit B = {batch} images of N = {n_visual} "
+            f"visual tokens and R = {n_rows} text rows"
+        )
+    return rows.float(), text, after, visual
 
 
 @register_method(
     "sparsevlm",
     where="layers",
-    needs=("attention", "text_rows"),
+    needs=("attention", "text_rows", "input_embeddings"),
     schedule=_schedule,
     summary="attention of text raters, with pruned tokens recycled by clustering and merging",
     source="SparseVLM, Zhang et al., ICML 2025",
@@ -92,48 +136,53 @@ def _rater_scores(rows: torch.Tensor) -> torch.Tensor:
 def sparsevlm(
     inputs: StageInputs,
     *,
+    recycling: str = "on_top",
     recycle_ratio: float = 0.3,
     tokens_per_cluster: int = 10,
     clustering: str = "dpc_knn",
 ) -> Selection:
     """SparseVLM: text raters score the visual tokens; pruned tokens are partly recycled as cluster means.
 
-    Zhang et al., "SparseVLM: Visual Token Sparsification for Efficient Vision-Language Model
-    Inference", ICML 2025 (arXiv 2410.04417); authors' code: github.com/Gumpest/SparseVLMs,
-    ``llava/model/language_model/modelling_sparse_llama.py`` (rater selection, recycling),
-    ``score.py`` (``attn_postprocess_topk``) and ``utils.py`` (``cluster_and_merge``). Raters: the
-    instruction tokens more relevant to the image than average (see ``_rater_scores``); visual score:
-    the raters' head-mean attention. The top-scoring tokens are kept; of the pruned tokens, the top
-    ``floor(pruned * recycle_ratio) + 1`` by score are clustered on ``inputs.hidden`` into
-    ``floor(count / tokens_per_cluster) + 1`` clusters (``clustering``: ``dpc_knn``, the authors'
-    density-peak clustering, or ``kmeans``), each averaged into one token in the slot of its
-    highest-scoring member. Kept + clusters = K (see :func:`split_budget`); :func:`sparsevlm_stages` is
-    the multi-layer schedule.
+    Zhang et al., ICML 2025 (arXiv 2410.04417); authors' code: github.com/Gumpest/SparseVLMs at
+    26a5f48813c46cd1c7364160354e7fdd3febaa67, default ``USE_VERSION=1_0``:
+    ``llava/model/language_model/modelling_sparse_llama.py`` (raters, recycling), ``score.py``
+    (``attn_postprocess_topk``) and ``utils.py`` (``cluster_and_merge``).
 
-    Deviations: (1) the authors rate text relevance by softmax(visual hidden @ text hidden^T) over the
-    text tokens at the language model's input; a selector sees no text hidden states, so relevance is
-    the same statistic on the instruction rows' attention (each visual column normalised over rows);
-    (2) the authors append the recycled tokens after the kept ones, on top of their top-k; here they
-    occupy a member's slot and count in K; (3) deterministic tie-breaking in DPC-KNN (:func:`dpc_knn`).
+    Raters (:func:`sparsevlm_raters`) come from the input embeddings, so every stage has the same. A
+    visual token's score is the raters' mean attention on it at the stage's layer (softmax over every
+    key, mean over heads, not renormalised over the visual tokens: ``inputs.text_rows``). The top
+    ``inputs.budget`` are kept; of the pruned tokens the top ``floor(pruned * recycle_ratio) + 1`` by
+    score are clustered on ``inputs.hidden`` into ``floor(count / tokens_per_cluster) + 1`` clusters
+    (``clustering``: ``dpc_knn`` as the authors, or ``kmeans``), each averaged into one token.
 
-    Requires ``inputs.hidden``, ``inputs.text_rows`` [B, R, N] and ``inputs.text_valid`` [B, R].
-    Knobs: ``recycle_ratio`` in (0, 1], ``tokens_per_cluster`` >= 1, ``clustering``.
+    ``recycling``: ``on_top`` (the authors') adds the clusters to the budget, so a stage leaves more
+    tokens than its count (576 tokens at "64": 66 + 16 = 82, then 30 + 2 = 32, then 17 + 1 = 18);
+    ``in_budget`` fits kept + clusters into the budget (:func:`split_budget`), the harness's "K counts
+    every visual token left". Deviations, by harness rule: a cluster takes the slot (position, cache
+    entries) of its highest-scoring member, where the authors append it after the kept tokens with a
+    renumbered position. Others: clusters are plain means (the authors divide the sum by count + 1e-6);
+    DPC-kNN breaks density ties by index, the authors by 1e-6 noise (:func:`dpc_knn`); raters are
+    computed in float32 or wider.
     """
     budget = check_budget(inputs, "sparsevlm")
+    if recycling not in RECYCLING:
+        raise ValueError(f"sparsevlm recycling must be one of {list(RECYCLING)}, got {recycling!r}")
     check_recycling("sparsevlm", recycle_ratio, tokens_per_cluster, clustering)
-    per_image = check_text_rows(inputs, "sparsevlm")
-    if budget >= inputs.n_visual:
+    rows, text, after, visual = _check_inputs(inputs)
+    n_visual = inputs.n_visual
+    if budget >= n_visual:
         return keep_all(inputs)
-    n_kept, n_clusters = split_budget(inputs.n_visual, budget, recycle_ratio, tokens_per_cluster)
-    rows = [
+    raters = sparsevlm_raters(text, after, visual).to(rows.dtype)  # [B, R]
+    scores = (rows * raters[..., None]).sum(dim=1) / raters.sum(dim=1, keepdim=True)  # [B, N]
+    if recycling == "on_top":
+        n_kept, n_clusters = budget, recycle_counts(n_visual - budget, recycle_ratio, tokens_per_cluster)[1]
+    else:
+        n_kept, n_clusters = split_budget(n_visual, budget, recycle_ratio, tokens_per_cluster)
+    plans = [
         recycle_groups(
-            _rater_scores(image_rows),
-            hidden,
-            n_kept,
-            n_clusters,
-            recycle_ratio=recycle_ratio,
-            clustering=clustering,
+            image_scores, hidden, n_kept, n_clusters, recycle_ratio=recycle_ratio, clustering=clustering
         )
-        for image_rows, hidden in zip(per_image, inputs.hidden, strict=True)
+        for image_scores, hidden in zip(scores, inputs.hidden, strict=True)
     ]
-    return stack_plans(rows, inputs.n_visual)
+    selection = stack_plans(plans, n_visual)
+    return Selection(kept=selection.kept, merge=selection.merge, scores=scores)
