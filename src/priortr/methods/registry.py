@@ -59,8 +59,8 @@ class MethodInfo:
             after the scored one computed on its input, before it runs), ``keys`` (the scored layer's
             keys of the visual tokens and of the text rows, and the tokens' prompt positions),
             ``final_norm`` (the scored layer's output through the language model's final norm, visual
-            tokens and text rows), ``input_embeddings`` (the text rows' and the image's input embeddings, as they enter
-            decoder layer 0); ``StageInputs`` documents the fields.
+            tokens and text rows), ``input_embeddings`` (the text rows' and the image's input
+            embeddings, as they enter decoder layer 0); ``StageInputs`` documents the fields.
         summary, source: one line each for ``priortr methods`` and the README.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
