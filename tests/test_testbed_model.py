@@ -90,13 +90,14 @@ def test_demo_and_eval_commands(checkpoint, tmp_path, monkeypatch, capsys):
         "vanilla",
         "priortr",
         "fastv",
+        "visionzip",
         "--budgets",
         "64",
         "32",
         "--out",
         str(tmp_path / "eval"),
     ]
-    assert cli.main(argv) == 0
+    assert cli.main(argv) == 0  # a pre-LLM method beside layer methods: each gets the layer it takes
     report = json.loads((tmp_path / "eval" / "scenes-test.json").read_text())
     assert [(c["method"], c["budget"]) for c in report["cells"]] == [
         ("vanilla", None),
@@ -104,6 +105,8 @@ def test_demo_and_eval_commands(checkpoint, tmp_path, monkeypatch, capsys):
         ("priortr", 32),
         ("fastv", 64),
         ("fastv", 32),
+        ("visionzip", 64),
+        ("visionzip", 32),
     ]
     assert all(c["total"] == 4 for c in report["cells"])
     assert (tmp_path / "eval" / "scenes-test.png").stat().st_size and "| priortr |" in capsys.readouterr().out

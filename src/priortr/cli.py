@@ -430,7 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=TESTBED, help=f"{TESTBED}, or a checkpoint with a chat template")
     ev.add_argument("--methods", nargs="+", default=list(evaluate.DEFAULT_METHODS))
     ev.add_argument("--budgets", type=int, nargs="+", default=list(evaluate.DEFAULT_BUDGETS))
-    ev.add_argument("--layer", type=int, default=2, help=LAYER_HELP)
+    ev.add_argument(
+        "--layer",
+        type=int,
+        help="0-indexed decoder layer scored by one-layer methods (default: each method's own)",
+    )
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

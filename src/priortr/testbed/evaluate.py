@@ -41,6 +41,7 @@ class Cell:
     kept_tokens: int = 0
     visual_tokens: int = 0
     by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [correct, total]
+    hits: list[int] = field(default_factory=list)  # 1 or 0 per question, in question order
 
     @property
     def accuracy(self) -> float:
@@ -48,6 +49,7 @@ class Cell:
 
     def add(self, sample: Sample, reply: str, kept: int, visual: int) -> None:
         hit = int(is_correct(sample, reply))
+        self.hits.append(hit)
         self.correct += hit
         self.total += 1
         self.kept_tokens += kept
@@ -61,7 +63,7 @@ class Cell:
 class Report:
     split: str
     model: str
-    layer: int
+    layer: int | None
     dtype: str
     cells: list[Cell]
     seconds: float = 0.0
@@ -95,7 +97,7 @@ class Report:
         budgets = sorted({c.budget for c in self.cells if c.budget is not None}, reverse=True) or [None]
         n = self.cells[0].total if self.cells else 0
         lines = [
-            f"Split `{self.split}` ({n} questions), model `{self.model}`, scored layer {self.layer}, "
+            f"Split `{self.split}` ({n} questions), model `{self.model}`, {self._layer_text()}, "
             f"{self.dtype}. Accuracy % (retention % of vanilla).",
             "",
             "| method | " + " | ".join(f"K = {b or 'all'}" for b in budgets) + " |",
@@ -128,6 +130,9 @@ class Report:
             )
         return "\n".join(lines) + "\n"
 
+    def _layer_text(self) -> str:
+        return "each method's default layer" if self.layer is None else f"scored layer {self.layer}"
+
     def _entry(self, cell: Cell | None) -> str:
         if cell is None:
             return "-"
@@ -155,7 +160,7 @@ class Report:
         ax.set_ylabel("accuracy retention (% of vanilla)")
         base = self.vanilla
         title = f"{self.split}: " + (f"vanilla {100 * base.accuracy:.1f}%" if base is not None else "")
-        ax.set_title(f"{title}, layer {self.layer}")
+        ax.set_title(f"{title}, {self._layer_text()}")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -209,12 +214,16 @@ def evaluate(
     split: str,
     methods: Sequence[str] = DEFAULT_METHODS,
     budgets: Sequence[int] = DEFAULT_BUDGETS,
-    layer: int = 2,
+    layer: int | None = None,
     batch_size: int = 8,
     model_name: str = "testbed",
     progress: bool = True,
 ) -> Report:
-    """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned."""
+    """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned.
+
+    ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
+    that prune before the language model or on their own schedule of layers take none.
+    """
     if not samples:
         raise ValueError(f"split {split!r} has no samples to evaluate")
     cells = [Cell(VANILLA, None)] if VANILLA in methods else []
@@ -231,7 +240,7 @@ def evaluate(
                 model,
                 method=cell.method,
                 budget=cell.budget,
-                layer=_layer_of(cell.method, layer),
+                layer=_layer_for(cell.method, layer),
                 strict=True,
             )
         )
@@ -249,9 +258,7 @@ def evaluate(
     return Report(split, model_name, layer, dtype, cells, time.perf_counter() - start)
 
 
-def _layer_of(method: str, layer: int) -> int | None:
-    """``layer`` for a method scored at one decoder layer; None for methods that prune before the
-    language model or on their own schedule (they refuse a layer)."""
+def _layer_for(method: str, layer: int | None) -> int | None:
     return layer if get_method(method).where == "layer" else None
 
 
