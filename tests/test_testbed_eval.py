@@ -59,4 +59,3 @@ def test_markdown_and_json(tmp_path):
     document = json.loads(paths[0].read_text())
     assert document["cells"][1]["retention"] == pytest.approx(0.5)
     assert paths[2].stat().st_size > 1000
-
