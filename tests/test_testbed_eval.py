@@ -6,7 +6,7 @@ import json
 import pytest
 
 from priortr.testbed.data import Sample
-from priortr.testbed.evaluate import Cell, Report, _layer_of, first_word
+from priortr.testbed.evaluate import Cell, Report, first_word
 
 
 def sample(answer: str, kind: str = "colour") -> Sample:
@@ -59,12 +59,3 @@ def test_markdown_and_json(tmp_path):
     document = json.loads(paths[0].read_text())
     assert document["cells"][1]["retention"] == pytest.approx(0.5)
     assert paths[2].stat().st_size > 1000
-
-
-@pytest.mark.parametrize(
-    ("method", "expected"), [("fastv", 4), ("dart", 4), ("pdrop", None), ("divprune", None)]
-)
-def test_the_layer_reaches_only_one_layer_methods(method, expected):
-    """Methods on their own schedule or before the LLM refuse a layer, so ``priortr eval --layer`` skips
-    them instead of failing."""
-    assert _layer_of(method, 4) == expected
