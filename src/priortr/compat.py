@@ -111,6 +111,16 @@ def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
     raise ValueError(f"unsupported attention mask type {type(mask).__name__} on a pruned cache")
 
 
+def first_query_rows(mask: Any, rows: int) -> Any:
+    """The first ``rows`` query rows of a prepared 4D mask (or of generate()'s dict of them); a 2D
+    padding mask or None has no query rows and is returned as is."""
+    if isinstance(mask, dict):
+        return {kind: first_query_rows(value, rows) for kind, value in mask.items()}
+    if isinstance(mask, torch.Tensor) and mask.ndim == 4:
+        return mask[:, :, :rows]
+    return mask
+
+
 RAW_PIXEL_ARGUMENTS = ("pixel_values", "pixel_values_images", "pixel_values_videos")
 """Model arguments that carry raw images or video (``pixel_values_images``: Video-LLaVA before 5.23)."""
 
