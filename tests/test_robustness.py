@@ -127,16 +127,27 @@ def test_a_pickled_cache_is_refused_on_the_stock_model_and_continues_under_apply
     assert_same_turn(continued, reference_turn(model, batch, kept, history, mask))
 
 
-def test_a_reset_cache_is_a_plain_cache_again(llava):
-    """generate() resets a static cache it reuses: the stock model then runs on it as on a new one."""
-    batch = llava_batch(llava, batch_size=2)
+def test_a_reset_cache_is_a_plain_cache_again():
+    """generate() resets a static cache it reuses: the stock model then runs on it as on a new one, and
+    pruning attached later treats it as the unpruned cache it now is (the old record no longer counts)."""
+    model, batch = setup("llava", 2)
     with torch.no_grad():
-        stock = llava.generate(**batch.kwargs(), cache_implementation="static", **GREEDY)
-    first, *_ = first_turn(llava, batch, "static")
-    first.past_key_values.reset()
+        stock = model.generate(**batch.kwargs(), cache_implementation="static", **GREEDY, **SCORES)
+    cache = first_turn(model, batch, "static")[0].past_key_values
+    cache.reset()
     with torch.no_grad():
-        again = llava.generate(**batch.kwargs(), past_key_values=first.past_key_values, **GREEDY)
-    assert torch.equal(again, stock)
+        assert_same_turn(model.generate(**batch.kwargs(), past_key_values=cache, **GREEDY, **SCORES), stock)
+        cache.reset()
+        model(**batch.kwargs(), past_key_values=cache, use_cache=True)  # a stock prefill into it
+    step = {
+        "input_ids": torch.full((batch.batch_size, 1), 7),
+        "attention_mask": torch.cat([batch.attention_mask, torch.ones_like(batch.attention_mask[:, :1])], 1),
+    }
+    with torch.no_grad():
+        unpruned = model(**step, past_key_values=copy.deepcopy(cache)).logits
+        with priortr.apply(model, budget=BUDGET, layer=LAYER):
+            attached = model(**step, past_key_values=cache).logits
+    torch.testing.assert_close(attached, unpruned, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,11 @@ def cache_layers(cache: Any) -> list:
     return list(cache.layers)
 
 
+def first_cache_layer(cache: Any) -> Any:
+    """Layer 0 of the cache: every forward pass updates it first. None while a lazy cache has none."""
+    return cache.layers[0] if cache.layers else None
+
+
 def is_static_cache(cache: Any) -> bool:
     """Whether the cache preallocates its slots (keys span ``max_cache_len`` in every layer call)."""
     return cache is not None and any(isinstance(layer, StaticLayer) for layer in cache_layers(cache))

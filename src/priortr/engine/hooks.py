@@ -180,7 +180,7 @@ class PruningEngine:
                 return
             _disarm(self._in_flight.pop(thread, []))
             self._vision_captures.pop(thread, None)
-            if prefill.cache is not None and ledger_of(prefill.cache) is not None:
+            if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
                 guard(prefill.cache)
 
         return hook

@@ -79,7 +79,8 @@ def _guarded(plain: type, name: str) -> type:
             return super().update(*args, **kwargs)
 
         def reset(self) -> None:
-            """An emptied cache stands for no pruned prompt any more (static caches reused by generate())."""
+            """An emptied cache stands for no pruned prompt any more (static caches reused by generate()):
+            unguarded, its ledger no longer counts (``ledger_of``)."""
             super().reset()
             _unguard(self)
 
@@ -101,7 +102,12 @@ def _unguard(layer: Any) -> None:
 
 
 def ledger_of(cache: Any) -> CacheLedger | None:
-    return getattr(cache, ATTRIBUTE, None) if cache is not None else None
+    """The ledger of a pruned ``cache``; None for a cache that was never pruned or was reset since (its
+    first layer is no longer guarded)."""
+    ledger = getattr(cache, ATTRIBUTE, None) if cache is not None else None
+    if ledger is None or type(compat.first_cache_layer(cache)) not in _PLAIN:
+        return None
+    return ledger
 
 
 def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
@@ -110,9 +116,7 @@ def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
     if ledger is None:
         if hasattr(cache, ATTRIBUTE):
             delattr(cache, ATTRIBUTE)
-        layers = compat.cache_layers(cache)
-        if layers:
-            _unguard(layers[0])
+        _unguard(compat.first_cache_layer(cache))
         return
     setattr(cache, ATTRIBUTE, ledger)
 
@@ -120,7 +124,7 @@ def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
 def guard(cache: Any) -> None:
     """Make the first layer of a pruned ``cache`` refuse calls that no engine claimed; called once the
     pruned prefill has returned (its own layer-0 update is done)."""
-    first = compat.cache_layers(cache)[0]
+    first = compat.first_cache_layer(cache)
     if type(first) in _GUARDED:
         first.__class__ = _GUARDED[type(first)]
     first._priortr_claimed = False
@@ -128,7 +132,7 @@ def guard(cache: Any) -> None:
 
 def claim(cache: Any) -> None:
     """Let the call about to run continue the pruned ``cache`` (set by the engine, per call)."""
-    compat.cache_layers(cache)[0]._priortr_claimed = True
+    compat.first_cache_layer(cache)._priortr_claimed = True
 
 
 def continue_call(
