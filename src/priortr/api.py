@@ -24,6 +24,7 @@ from priortr.pools import MULTI_IMAGE
 from priortr.scoring import resolve_budget
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+DEFAULT_BUDGET = 64
 
 
 class PruningHandle:
@@ -44,13 +45,24 @@ class PruningHandle:
     def last(self) -> PruneResult | None:
         return self._engine.last
 
+    @property
+    def attached(self) -> bool:
+        """False once ``remove()`` ran (leaving a ``with`` block included)."""
+        return self._engine.attached
+
     def remove(self) -> None:
-        """Detach every hook; the model computes exactly what it did before ``apply``."""
+        """Detach every hook; the model computes exactly what it did before ``apply``. Caches pruned
+        under this handle refuse to continue on the stock model; a new ``apply`` continues them."""
         self._engine.detach()
         if _ATTACHED.get(self._engine.model) is self:
             del _ATTACHED[self._engine.model]
 
     def __enter__(self) -> PruningHandle:
+        if not self.attached:
+            raise ValueError(
+                "this handle was removed, so a with block on it would run the model unpruned; "
+                "call priortr.apply(model, ...) again for a new handle"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -60,7 +72,7 @@ class PruningHandle:
 def apply(
     model: nn.Module,
     method: str = "priortr",
-    budget: int | float = 64,
+    budget: int | float | None = None,
     layer: int | None = None,
     *,
     stages: Sequence[tuple[int, int | float]] | None = None,
@@ -79,16 +91,17 @@ def apply(
         method: a method by name (``priortr.available_methods()``, ``priortr methods``); ``priortr`` is
             the paper's Eq. (8), P * log((P + eps) / (Q + eps)).
         budget: visual tokens kept per prompt: an int count K, or a ratio in (0, 1) of each image's
-            (or video's) tokens. A prompt with several images splits a count over them in proportion
-            to their token counts. A budget covering every token leaves outputs bit-identical to the
-            stock model.
+            (or video's) tokens; 64 when not given. A prompt with several images splits a count over
+            them in proportion to their token counts. A budget covering every token leaves outputs
+            bit-identical to the stock model.
         layer: for one-layer methods, the 0-indexed decoder layer that is scored, in
             [0, num_layers - 2] (default: the method's published setting, 1 for FastV's K = 2 and
             DART's ``pruned_layer 2``, else 2); layers ``layer + 1 ..`` run on the kept tokens and the KV
             cache of layers ``0 .. layer`` is pruned. Methods that prune before the language model or
             follow their own schedule take no layer.
         stages: (scored layer, budget) pairs, layers increasing, budgets not increasing, that replace
-            a decoder-layer method's stages (e.g. PriorTR in a custom multi-stage schedule).
+            a decoder-layer method's stages (e.g. PriorTR in a custom multi-stage schedule); they set
+            every layer and budget, so ``budget`` and ``layer`` must then be left unset.
         options: the method's knobs by name (``priortr methods`` lists them with their defaults).
         heads: head aggregation of attention, ``mean`` (paper) or ``max``.
         posterior_rows: rows averaged into P: ``after_separator`` (every prompt token after the
@@ -101,9 +114,25 @@ def apply(
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
     """
     adapter = adapter_for(model)
+    try:
+        n_layers = len(adapter.decoder_layers(model))
+        adapter.multimodal_model(model)
+    except AttributeError as error:
+        raise ValueError(
+            f"pass the *ForConditionalGeneration model (the one with generate()); this "
+            f"{type(model).__name__} lacks its parts ({error})"
+        ) from error
     info = get_method(method)
+    if stages is not None and (budget is not None or layer is not None):
+        given = ", ".join(
+            f"{name}={value!r}" for name, value in (("budget", budget), ("layer", layer)) if value is not None
+        )
+        raise ValueError(
+            f"stages= sets the layer and budget of every stage, so it conflicts with {given}; "
+            "pass either stages or budget/layer"
+        )
+    budget = DEFAULT_BUDGET if budget is None else budget
     resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
-    n_layers = len(adapter.decoder_layers(model))
     layer = _check_layer(info, layer, n_layers)
     stages = _check_stages(info, stages, n_layers)
     options = _check_options(info, options)
@@ -118,6 +147,10 @@ def apply(
         raise ValueError(f"posterior_rows must be one of {', '.join(POSTERIOR_ROWS)}; got {posterior_rows!r}")
     if isinstance(separator_offset, bool) or not isinstance(separator_offset, int) or separator_offset < 0:
         raise ValueError(f"separator_offset must be an int >= 0; got {separator_offset!r}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False; got {strict!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an int; got {seed!r}")
     if multi_image not in MULTI_IMAGE:
         raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
     if model in _ATTACHED:
@@ -185,9 +218,12 @@ def _check_stages(
         return None
     if info.where == "vision":
         raise ValueError(f"{info.name} prunes before the language model; it takes no stages")
-    stages = tuple(tuple(stage) for stage in stages)
+    given = stages
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence):
+        stages = ()
+    stages = tuple(tuple(stage) if isinstance(stage, Sequence) else (stage,) for stage in stages)
     if not stages or any(len(stage) != 2 for stage in stages):
-        raise ValueError(f"stages must be a non-empty list of (layer, budget) pairs; got {stages!r}")
+        raise ValueError(f"stages must be a non-empty list of (layer, budget) pairs; got {given!r}")
     layers = [stage[0] for stage in stages]
     if not all(_is_int(layer) and 0 <= layer <= n_layers - 2 for layer in layers) or layers != sorted(
         set(layers)
@@ -205,6 +241,8 @@ def _check_stages(
 
 
 def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"options must be a dict of the method's knobs by name; got {options!r}")
     options = dict(options or {})
     unknown = sorted(set(options) - set(info.knobs))
     if unknown:

@@ -34,6 +34,11 @@ def cache_layers(cache: Any) -> list:
     return list(cache.layers)
 
 
+def first_cache_layer(cache: Any) -> Any:
+    """Layer 0 of the cache: every forward pass updates it first. None while a lazy cache has none."""
+    return cache.layers[0] if cache.layers else None
+
+
 def is_static_cache(cache: Any) -> bool:
     """Whether the cache preallocates its slots (keys span ``max_cache_len`` in every layer call)."""
     return cache is not None and any(isinstance(layer, StaticLayer) for layer in cache_layers(cache))
@@ -109,6 +114,16 @@ def hide_cached_columns(mask: Any, hidden: torch.Tensor) -> Any:
     if mask is None:
         return None
     raise ValueError(f"unsupported attention mask type {type(mask).__name__} on a pruned cache")
+
+
+def first_query_rows(mask: Any, rows: int) -> Any:
+    """The first ``rows`` query rows of a prepared 4D mask (or of generate()'s dict of them); a 2D
+    padding mask or None has no query rows and is returned as is."""
+    if isinstance(mask, dict):
+        return {kind: first_query_rows(value, rows) for kind, value in mask.items()}
+    if isinstance(mask, torch.Tensor) and mask.ndim == 4:
+        return mask[:, :, :rows]
+    return mask
 
 
 RAW_PIXEL_ARGUMENTS = ("pixel_values", "pixel_values_images", "pixel_values_videos")

@@ -91,7 +91,24 @@ def scores_to_grid(values: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
 
 
 def chat_inputs(processor: Any, image: Any, prompt: str, model: nn.Module) -> dict:
-    """The processor's chat-template inputs for one image and one question, on the model's device."""
+    """The processor's chat-template inputs for one image and one question, on the model's device.
+
+    The question must be real text: with none, the posterior P would average the chat template's own
+    tokens and pruning would run on them without a word; an image placeholder typed into it would ask
+    for a second image.
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"the prompt is empty ({prompt!r}): the methods rank the image by the instruction's attention, "
+            "so pass the question to ask about the image"
+        )
+    placeholders = {getattr(processor, name, None) for name in ("image_token", "video_token")} - {None, ""}
+    typed = sorted(token for token in placeholders if token in prompt)
+    if typed:
+        raise ValueError(
+            f"the prompt contains {', '.join(map(repr, typed))}: the chat template places the image itself; "
+            "pass the question text only"
+        )
     content = [{"type": "image", "image": image}, {"type": "text", "text": prompt}]
     return processor.apply_chat_template(
         [{"role": "user", "content": content}],

@@ -5,11 +5,13 @@ One permanent pre-hook on the multimodal model sees every call. A call that cont
 nothing else runs. A prefill that brings images is planned on the host (``plan.make_plan``); only then
 are hooks armed, on the decoder layers a stage needs and the projections of the layers it scores, and
 they are disarmed as soon as the model returns. Decode steps therefore run no per-layer hook at all.
+Armed hooks serve only the thread whose prefill armed them, so calls from other threads pass through.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,14 +24,19 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.evidence import VISION_NEEDS
-from priortr.engine.ledger import continue_call, ledger_of, write_ledger
+from priortr.engine.ledger import claim, continue_call, guard, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.report import PrefillRecord, PruneResult
 
 
 class PruningEngine:
-    """Hooks physical visual-token pruning into one model; ``detach()`` restores it exactly."""
+    """Hooks physical visual-token pruning into one model; ``detach()`` restores it exactly.
+
+    Per-call state lives with the call: a prefill's hooks serve only the thread that armed them, and a
+    pruned cache carries its own ledger, so several threads may run one model at once (each with its
+    own inputs and cache). ``last`` is engine-wide: the most recent pruned prefill of any thread.
+    """
 
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, config: PruningConfig) -> None:
         self.model = model
@@ -41,34 +48,63 @@ class PruningEngine:
         self._parameters = tuple(inspect.signature(self.multimodal.forward).parameters)
         text_config = model.config.get_text_config()
         self._attention_implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
-        self._vision_capture: dict[str, torch.Tensor] = {}
+        self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
+        self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
         self._record: PrefillRecord | None = None
         self._last: PruneResult | None = None
         self._permanent: list[RemovableHandle] = []
-        self._armed: list[RemovableHandle] = []
+        self._loss: Callable | None = None
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError(
+            "a model with priortr pruning attached cannot be pickled or deep-copied (its hooks belong to "
+            "this model); call handle.remove() first, copy or save the model (or save_pretrained / "
+            "state_dict), then priortr.apply() to the copy"
+        )
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._permanent)
 
     @property
     def last(self) -> PruneResult | None:
         """What the most recent pruned prefill kept (``PruneResult``), built when first read."""
-        if self._record is not None:
-            self._last, self._record = self._record.result(), None
+        record = self._record
+        if record is not None:
+            self._last, self._record = record.result(), None
         return self._last
 
     def attach(self) -> None:
         self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        if "_loss_function" not in vars(self.model) and hasattr(type(self.model), "loss_function"):
+            self._loss = self.model.loss_function  # called only with labels=: never on a decode step
+            self.model.loss_function = self._loss_on_pruned_logits
         if self.vision is not None:
-            self._permanent += vision_hooks(self.vision, self.config.method.needs, self._vision_capture)
+            self._permanent += vision_hooks(self.vision, self.config.method.needs, self._on_vision_output)
 
     def detach(self) -> None:
-        self._disarm()
+        for thread in list(self._in_flight):
+            _disarm(self._in_flight.pop(thread, []))
         for handle in self._permanent:
             handle.remove()
         self._permanent = []
-        self._vision_capture.clear()
+        self._vision_captures = {}
+        if self._loss is not None:
+            del self.model._loss_function  # the model's own loss_function again
+            self._loss = None
+
+    def _loss_on_pruned_logits(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
+        """The model's loss, refused with a clear message when pruning shortened the logits."""
+        if logits.shape[1] != labels.shape[1]:
+            raise ValueError(
+                f"labels= cannot be used with pruning attached: the pruned forward returns logits for "
+                f"{logits.shape[1]} of the {labels.shape[1]} labelled tokens (handle.last.positions says "
+                "which), so transformers cannot align them. Compute the loss from out.logits and "
+                "labels.gather(1, handle.last.positions), or run the forward after handle.remove()"
+            )
+        return self._loss(logits=logits, labels=labels, **kwargs)
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self._armed:
-            self._disarm()  # a prefill that raised left its hooks armed
         call = dict(zip(self._parameters, args, strict=False))
         call.update(kwargs)
         cache = call.get("past_key_values")
@@ -81,8 +117,12 @@ class PruningEngine:
         if ledger is not None:
             if not empty:  # a decode step or a later chat turn
                 continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
+                claim(cache)
                 return (), call
             write_ledger(cache, None)  # the cache was reset for a new prompt
+        thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
+        if thread in self._in_flight:
+            _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
         if not compat.has_visual_inputs(call):
             if empty:
                 skip_prefill(
@@ -91,74 +131,84 @@ class PruningEngine:
             return None
         if not empty:
             return None  # images on a cache this engine did not prune: no prefill to plan
-        if compat.has_raw_pixels(call):
-            self._vision_capture.clear()  # the tower runs inside this call; generate() runs it before
+        if compat.has_raw_pixels(call):  # the tower runs inside this call; generate() runs it before
+            self._vision_captures.pop(thread, None)
         plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
         if plan is None:
             return None
-        vision = None if self.vision is None else (self.vision, self._vision_capture)
+        vision = None
+        if self.vision is not None:
+            vision = (self.vision, self._vision_captures.setdefault(thread, {}))
         norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
         prefill = Prefill(plan, self.config, self.adapter, vision, self._attention_implementation, norm)
         self._last = None
         self._record = prefill.record
         if plan.stages:
-            self._arm(prefill)
+            self._in_flight[thread] = self._arm(prefill, thread)
         else:
             prefill.finish()
         return (), call
 
-    def _arm(self, prefill: Prefill) -> None:
-        """Hooks for this prefill only: a pre-hook on every layer from the first stage on, the q/k
-        projections of each scored layer (attention methods), and the first layer's input (methods
-        that read the input embeddings)."""
+    def _arm(self, prefill: Prefill, thread: int) -> list[RemovableHandle]:
+        """Hooks for this prefill only, serving only ``thread``: a pre-hook on every layer from the first
+        stage on, the q/k projections of each scored layer (attention methods), and the first layer's
+        input (methods that read the input embeddings)."""
         stages = prefill.plan.stages
+        armed = []
         if prefill.input_positions is not None:
-            self._armed.append(
-                self.layers[0].register_forward_pre_hook(_capture_input(prefill), with_kwargs=True)
+            armed.append(
+                self.layers[0].register_forward_pre_hook(_capture_input(prefill, thread), with_kwargs=True)
             )
         for index in range(max(stages[0], 0), len(self.layers)):
-            hook = self._before_layer(prefill, index)
-            self._armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
+            hook = _before_layer(prefill, index, thread)
+            armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
         if self.config.method.needs & {"attention", "keys"}:
             for index in (layer for layer in stages if layer != BEFORE_LLM):
                 attention = self.adapter.attention(self.layers[index])
-                self._armed += [
-                    self.adapter.query_projection(attention).register_forward_hook(_capture(prefill, "q")),
-                    self.adapter.key_projection(attention).register_forward_hook(_capture(prefill, "k")),
+                armed += [
+                    self.adapter.query_projection(attention).register_forward_hook(
+                        _capture(prefill, "q", thread)
+                    ),
+                    self.adapter.key_projection(attention).register_forward_hook(
+                        _capture(prefill, "k", thread)
+                    ),
                 ]
-        self._armed.append(self.multimodal.register_forward_hook(self._on_model_return, always_call=True))
+        armed.append(
+            self.multimodal.register_forward_hook(self._on_model_return(prefill, thread), always_call=True)
+        )
+        return armed
 
-    def _disarm(self) -> None:
-        for handle in self._armed:
-            handle.remove()
-        self._armed = []
-
-    def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._disarm()
-        self._vision_capture.clear()
-
-    @staticmethod
-    def _before_layer(prefill: Prefill, index: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return prefill.before_layer(index, module, args, kwargs)
+    def _on_model_return(self, prefill: Prefill, thread: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if threading.get_ident() != thread:
+                return
+            _disarm(self._in_flight.pop(thread, []))
+            self._vision_captures.pop(thread, None)
+            if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
+                guard(prefill.cache)
 
         return hook
 
+    def _on_vision_output(self, name: str, tensor: torch.Tensor) -> None:
+        self._vision_captures.setdefault(threading.get_ident(), {})[name] = tensor
 
-def vision_hooks(probe: VisionProbe, needs: frozenset[str], capture: dict[str, torch.Tensor]) -> list:
-    """Permanent hooks keeping, each time the vision tower runs, the tensors ``needs`` asks for:
+
+def vision_hooks(
+    probe: VisionProbe, needs: frozenset[str], keep: Callable[[str, torch.Tensor], None]
+) -> list[RemovableHandle]:
+    """Permanent hooks handing ``keep`` the tensors ``needs`` asks for each time the vision tower runs:
     the feature layer's q/k (``vision``), the last layer's q/k (``vision_last``) and the projector's
     input (``features``). They only keep references; the stage reads them once per prefill."""
 
     def output_of(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            capture[name] = output
+            keep(name, output)
 
         return hook
 
     def input_of(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            capture[name] = args[0]
+            keep(name, args[0])
 
         return hook
 
@@ -178,21 +228,37 @@ def vision_hooks(probe: VisionProbe, needs: frozenset[str], capture: dict[str, t
     return handles
 
 
-def _capture(prefill: Prefill, name: str) -> Callable:
-    """Forward hook keeping a scored layer's projection output for the stage."""
+def _disarm(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        prefill.captured[name] = output
+
+def _before_layer(prefill: Prefill, index: int, thread: int) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if threading.get_ident() != thread:
+            return None  # another thread's call through the same layer
+        return prefill.before_layer(index, module, args, kwargs)
 
     return hook
 
 
-def _capture_input(prefill: Prefill) -> Callable:
+def _capture(prefill: Prefill, name: str, thread: int) -> Callable:
+    """Forward hook keeping a scored layer's projection output for the stage."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if threading.get_ident() == thread:
+            prefill.captured[name] = output
+
+    return hook
+
+
+def _capture_input(prefill: Prefill, thread: int) -> Callable:
     """Forward pre-hook keeping the hidden states that enter the first decoder layer (the language
     model's input embeddings), before any stage runs."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        prefill.captured["embeddings"] = args[0] if args else kwargs["hidden_states"]
+        if threading.get_ident() == thread:
+            prefill.captured["embeddings"] = args[0] if args else kwargs["hidden_states"]
 
     return hook
 

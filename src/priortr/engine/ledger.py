@@ -4,8 +4,16 @@ A pruned cache holds S' of the prompt's S tokens, so the calls that follow the p
 later chat turns) must see masks and positions that match the shorter cache: generate() counts
 positions from the whole conversation and builds masks over it. The ledger is written once, at the end
 of the pruned prefill, as an attribute of the cache object itself, so it travels wherever the cache
-goes (``copy.deepcopy`` included). A decode step reads it and adjusts the call with tensor work only:
+goes (``copy.deepcopy``, pickling). A decode step reads it and adjusts the call with tensor work only:
 no host sync, nothing that changes from step to step (so a compiled decode step does not recompile).
+
+The stock model knows nothing of the ledger: continued without pruning attached (after
+``handle.remove()``, or on another model) it would attend with positions off by the dropped tokens and
+answer wrongly without a word. So the pruned cache also guards itself: its first layer becomes a
+``GuardedDynamicLayer``/``GuardedStaticLayer``, whose ``update`` (called by every forward pass before
+anything is written to the cache) refuses a call that no attached engine has claimed. Claiming is a
+Python flag set by the engine's model pre-hook and cleared by that update: nothing is read from the
+device.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
@@ -46,17 +55,84 @@ class CacheLedger:
         return self.prompt_length - self.kept_length
 
 
+UNCLAIMED = (
+    "this KV cache was pruned by priortr, and no priortr pruning is attached to the model continuing it "
+    "(the handle was removed, or the cache went to another model): the stock model would read it with "
+    "wrong positions. Continue it with priortr.apply(model, ...) attached (any method: the cache carries "
+    "what it needs), or start a new cache"
+)
+
+
+def _guarded(plain: type, name: str) -> type:
+    """A subclass of the cache layer class ``plain`` for the first layer of a pruned cache: ``update``
+    runs only in a call that an attached engine claimed. (A direct subclass, so that an existing layer's
+    class can be swapped in place; module-level names, so that it pickles.)"""
+
+    class Guarded(plain):
+        __slots__ = ()
+        _priortr_claimed = False
+
+        def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self._priortr_claimed:
+                raise ValueError(UNCLAIMED)
+            self._priortr_claimed = False
+            return super().update(*args, **kwargs)
+
+        def reset(self) -> None:
+            """An emptied cache stands for no pruned prompt any more (static caches reused by generate()):
+            unguarded, its ledger no longer counts (``ledger_of``)."""
+            super().reset()
+            _unguard(self)
+
+    Guarded.__name__ = Guarded.__qualname__ = name
+    Guarded.__doc__ = f"A ``{plain.__name__}`` holding the first layer of a pruned cache (module docstring)."
+    return Guarded
+
+
+GuardedDynamicLayer = _guarded(DynamicLayer, "GuardedDynamicLayer")
+GuardedStaticLayer = _guarded(StaticLayer, "GuardedStaticLayer")
+_GUARDED = {DynamicLayer: GuardedDynamicLayer, StaticLayer: GuardedStaticLayer}
+_PLAIN = {guarded: plain for plain, guarded in _GUARDED.items()}
+
+
+def _unguard(layer: Any) -> None:
+    if type(layer) in _PLAIN:
+        layer.__class__ = _PLAIN[type(layer)]
+        layer.__dict__.pop("_priortr_claimed", None)
+
+
 def ledger_of(cache: Any) -> CacheLedger | None:
-    return getattr(cache, ATTRIBUTE, None) if cache is not None else None
+    """The ledger of a pruned ``cache``; None for a cache that was never pruned or was reset since (its
+    first layer is no longer guarded)."""
+    ledger = getattr(cache, ATTRIBUTE, None) if cache is not None else None
+    if ledger is None or type(compat.first_cache_layer(cache)) not in _PLAIN:
+        return None
+    return ledger
 
 
 def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
-    """Attach ``ledger`` to ``cache`` (None removes it: the cache was reset for a new prompt)."""
+    """Attach ``ledger`` to ``cache`` (None removes it and the guard: the cache was reset for a new
+    prompt)."""
     if ledger is None:
         if hasattr(cache, ATTRIBUTE):
             delattr(cache, ATTRIBUTE)
+        _unguard(compat.first_cache_layer(cache))
         return
     setattr(cache, ATTRIBUTE, ledger)
+
+
+def guard(cache: Any) -> None:
+    """Make the first layer of a pruned ``cache`` refuse calls that no engine claimed; called once the
+    pruned prefill has returned (its own layer-0 update is done)."""
+    first = compat.first_cache_layer(cache)
+    if type(first) in _GUARDED:
+        first.__class__ = _GUARDED[type(first)]
+    first._priortr_claimed = False
+
+
+def claim(cache: Any) -> None:
+    """Let the call about to run continue the pruned ``cache`` (set by the engine, per call)."""
+    compat.first_cache_layer(cache)._priortr_claimed = True
 
 
 def continue_call(
@@ -119,6 +195,9 @@ def _align(ledger: CacheLedger, call: dict, key: str, new: int, cached: int) -> 
     for name in TOKEN_ALIGNED:
         if isinstance(call.get(name), torch.Tensor):
             call[name] = call[name][..., ledger.dropped :]
+    # A prepared mask (static caches) has a row per sent input, laid out from the cache's physical
+    # length: the rows of the inputs that remain are its first ones.
+    call["attention_mask"] = compat.first_query_rows(mask, new - ledger.dropped)
     return new - ledger.dropped
 
 
