@@ -186,6 +186,7 @@ def test_stages_with_an_explicit_budget_or_layer_conflict(files, capsys, extra):
 def test_a_negative_stage_layer_names_the_stage(files, capsys, stage):
     argv = ["generate", "--model", str(files["tiny"]), "--image", str(files["image"]), *PROMPT]
     refused(capsys, [*argv, f"--stages={stage}"], stage, ">= 0")
+    refused(capsys, [*argv, "--stages", "0:8", stage], stage, ">= 0")  # as typed: not "expected one argument"
 
 
 def test_a_stage_layer_past_the_model_is_refused_before_loading(files, capsys):

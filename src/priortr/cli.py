@@ -359,6 +359,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse reads "-1:128" as an unknown option and says "--stages: expected one argument"
+        for token in args or []:
+            if re.fullmatch(r"-\d+:\S*", token):
+                self.error(f"argument --stages: a stage's layer is a decoder layer index >= 0, got {token!r}")
+        return super().parse_known_args(args, namespace)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one sub-parser per command, each dispatching to its ``cmd_*`` function."""
