@@ -1,6 +1,6 @@
 """README.md, followed literally: every ``priortr`` command in a ``bash`` block parses, the cheap ones
 run as written (in order, in one empty folder, as a new user would), and the Python snippet runs with
-the hub checkpoint swapped for the local testbed. Lines tagged ``# minutes`` or ``# GPU only`` are
+the hub checkpoint swapped for the local testbed. Lines tagged ``# slow`` or ``# GPU only`` are
 parsed, not run; ``text`` blocks are synopses with optional parts and are not commands.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from priortr.cli import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-NOT_RUN = ("minutes", "GPU only")
+NOT_RUN = ("slow", "GPU only")
 
 
 def blocks(language: str) -> list[str]:
