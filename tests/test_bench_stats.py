@@ -210,3 +210,20 @@ def test_the_table_of_what_finished(model, monkeypatch):
         runner.run()
     # 10 prefills and vanilla's decode finished; priortr's decode was interrupted
     assert [(c.method, c.lm_prefill_ms.runs) for c in runner.report().cases] == [("vanilla", 5)]
+
+
+def test_a_record_of_a_run_that_did_nothing_is_started_afresh(tmp_path):
+    """A run that failed before its first measurement (say, loading the model) leaves only a header:
+    the next run needs no --resume, and may change its settings."""
+    path = tmp_path / "bench.jsonl"
+    Journal(path, {"model": "a"}, resume=False).close()
+    journal = Journal(path, {"model": "b"}, resume=False)
+    journal.append({"kind": "ceilings"})
+    journal.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"settings": {"model": "b"}},
+        {"kind": "ceilings"},
+    ]
+    with pytest.raises(ValueError, match="pass --resume"):
+        Journal(path, {"model": "b"}, resume=False)
+    assert Journal(path, {"model": "b"}, resume=True).records == [{"kind": "ceilings"}]

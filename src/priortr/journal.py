@@ -19,12 +19,12 @@ class Journal:
     def __init__(self, path: Path, settings: dict[str, Any], resume: bool) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        if path.exists() and path.stat().st_size > 0:
+        lines = path.read_text().splitlines() if path.is_file() else []
+        if len(lines) > 1:  # a previous run recorded something (a bare header is a run that did nothing)
             if not resume:
                 raise ValueError(
                     f"{path} holds a previous run; pass --resume to continue it, or choose another --out"
                 )
-            lines = path.read_text().splitlines()
             recorded = _parse(lines[0])
             if recorded is None or recorded.get("settings") != settings:
                 changed = _differences((recorded or {}).get("settings", {}), settings)
