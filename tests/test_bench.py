@@ -1,7 +1,8 @@
-"""``priortr bench`` on a reduced LLaVA shape: exact KV bytes, a smoke speed-up, complete reports.
+"""``priortr bench`` on a reduced LLaVA shape: exact KV bytes, FLOPs and roofline, complete reports.
 
-Timings are not asserted beyond one loose smoke bound (pruning 89% of 576 visual tokens must make
-the language-model prefill faster at all); the numbers themselves belong in docs/benchmarks.md.
+Timings are never asserted (they flake when cores are shared); the numbers belong in
+docs/benchmarks.md. The statistics, the interleaved schedule and resuming are tested on hand-made
+timings in test_bench_stats.py.
 """
 
 from __future__ import annotations
@@ -73,21 +74,20 @@ def test_kv_cache_bytes_are_measured_and_exact(report):
         assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + kept)
 
 
-def test_pruning_speeds_up_the_prefill(report, config_dir):
-    """Smoke check with a loose bound: at 11% of the visual tokens, 5 of 8 layers (PriorTR, FastV),
-    all 8 (VisionZip, before the LLM) or a schedule of layers (PDrop, SparseVLM) run on fewer than
-    624 tokens, so the language-model prefill must be faster than vanilla. The reported speed-up
-    (medians) is checked only against the roofline's range: at most every layer on 112 tokens
-    instead of 624."""
+def test_pruning_lowers_the_prefill_flops_and_the_roofline_allows_a_speed_up(report, config_dir):
+    """What the bench computes from shapes, not clocks (a timing assertion flakes on shared cores): at
+    11% of the visual tokens every method's language-model prefill FLOPs fall below vanilla's, its
+    roofline limit is above 1 and at most every layer on 112 tokens instead of 624, and the reported
+    speed-up is the ratio of the measured medians."""
     vanilla = report.cases[0]
     full = vanilla.lm_flops
     config = str(config_dir / "config.json")
     everything_pruned = full / flops.scheduled_prefill_flops(config, TEXT, N_VISUAL, [(-1, K)], exact=True)
     for case in report.cases[1:]:
-        # Fastest run of each: robust to another process taking the cores for a while.
-        assert vanilla.lm_prefill_ms.minimum / case.lm_prefill_ms.minimum > 1.1, case
+        assert case.lm_flops < full, case
         assert 1.0 < case.limit_speedup <= everything_pruned + 1e-9
-        assert case.overhead_ms is not None and case.overhead_ms.median > 0
+        assert case.speedup == pytest.approx(vanilla.lm_prefill_ms.median / case.lm_prefill_ms.median)
+        assert case.overhead_ms is not None and case.overhead_ms.runs == 3
 
 
 def test_reports_are_complete(report, tmp_path):
@@ -132,4 +132,4 @@ def test_bench_command_prints_one_json_document(config_dir, tmp_path, capsys):
     document = json.loads(capsys.readouterr().out)
     assert [row["method"] for row in document["cases"]] == ["vanilla", "priortr"]
     assert document["meta"]["text_layers"] == 4
-    assert {p.name for p in tmp_path.iterdir()} == {"bench.json", "bench.md", "bench.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {"bench.jsonl", "bench.json", "bench.md", "bench.png"}

@@ -120,7 +120,7 @@ def test_unloadable_model_exits_2(files, capsys, tmp_path: Path) -> None:
     code = main(["generate", "--model", str(tmp_path), "--image", str(files[1]), "--prompt", PROMPT])
     _, err = capsys.readouterr()
     assert code == 2
-    assert err.startswith(f"priortr: error: cannot load model '{tmp_path}'"), err
+    assert err.startswith(f"priortr: error: --model {tmp_path}: directory has no config.json"), err
 
 
 def test_unparsable_budget_is_a_usage_error(files, capsys) -> None:

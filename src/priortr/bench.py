@@ -29,25 +29,44 @@ from priortr import compat
 from priortr.adapters import adapter_for
 from priortr.configs import load_config
 from priortr.flops import kv_cache_bytes, scheduled_prefill_flops
+from priortr.journal import Journal
 
 VANILLA = "vanilla"
 
 
+MIN_QUARTILE_RUNS = 5  # below this, quartiles of a handful of timings say nothing: none are reported
+
+
 @dataclass(frozen=True)
 class Spread:
-    """Median and spread of repeated timings, in milliseconds."""
+    """Median and spread of repeated timings, in milliseconds. Quartiles (the inclusive estimator,
+    linear between order statistics, so always within [minimum, maximum]) only from
+    ``MIN_QUARTILE_RUNS`` runs on."""
 
     median: float
-    q25: float
-    q75: float
+    q25: float | None
+    q75: float | None
     minimum: float
     maximum: float
     runs: int
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> Spread:
-        q25, _, q75 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (samples[0],) * 3
+        if len(samples) >= MIN_QUARTILE_RUNS:
+            q25, _, q75 = statistics.quantiles(samples, n=4, method="inclusive")
+        else:
+            q25 = q75 = None
         return cls(statistics.median(samples), q25, q75, min(samples), max(samples), len(samples))
+
+    @property
+    def width(self) -> float:
+        """The interquartile range, or the whole range when there are no quartiles."""
+        return self.q75 - self.q25 if self.q25 is not None else self.maximum - self.minimum
+
+    def __str__(self) -> str:
+        if self.q25 is not None:
+            return f"{self.median:.2f} [{self.q25:.2f}, {self.q75:.2f}]"
+        return f"{self.median:.2f} (range {self.minimum:.2f}-{self.maximum:.2f}, {self.runs} runs)"
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,7 @@ class CaseResult:
     predicted_ms: float
     speedup: float = 1.0
     limit_speedup: float = 1.0
+    resolved: bool = True  # the prefill medians differ by more than the spread of either side
 
     @property
     def limit_ratio(self) -> float:
@@ -190,103 +210,30 @@ def build_model(
     on ``device``; ``layers`` / ``vision_layers`` cut the depth so that big shapes fit a CPU run."""
     from transformers import AutoModelForImageTextToText
 
-    config = load_config(name_or_path)
-    if layers is not None:
-        _cut_depth(config.text_config, "num_hidden_layers", layers)
-    if vision_layers is not None:
-        key = "depth" if hasattr(config.vision_config, "depth") else "num_hidden_layers"
-        _cut_depth(config.vision_config, key, vision_layers)
+    config = bench_config(name_or_path, layers, vision_layers)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 
-def _cut_depth(config: Any, key: str, depth: int) -> None:
+def bench_config(name_or_path: str, layers: int | None = None, vision_layers: int | None = None) -> Any:
+    """The config ``build_model`` builds: a shipped or local config, cut to ``layers`` decoder layers
+    and ``vision_layers`` vision layers."""
+    config = load_config(name_or_path)
+    if layers is not None:
+        _cut_depth(config.text_config, "num_hidden_layers", layers, "--layers")
+    if vision_layers is not None:
+        key = "depth" if hasattr(config.vision_config, "depth") else "num_hidden_layers"
+        _cut_depth(config.vision_config, key, vision_layers, "--vision-layers")
+    return config
+
+
+def _cut_depth(config: Any, key: str, depth: int, option: str) -> None:
     if depth < 1 or depth > getattr(config, key):
-        raise ValueError(f"cannot cut {key}={getattr(config, key)} to {depth}")
+        raise ValueError(f"{option} {depth}: the model has {getattr(config, key)} ({key}); give 1 to that")
     setattr(config, key, depth)
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = config.layer_types[:depth]
-
-
-@torch.inference_mode()
-def run_case(
-    model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    method: str,
-    budget: int | None,
-    warmup: int,
-    repeats: int,
-    new_tokens: int,
-    decode_repeats: int,
-    layer: int | None = None,
-    options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Prefill timings, KV bytes, and end-to-end greedy generation for one configuration; ``layer`` is
-    passed to one-layer methods only."""
-    device = model.device
-    if method == VANILLA:
-        pruning = nullcontext()
-    else:
-        layer = layer if priortr.get_method(method).where == "layer" else None
-        pruning = priortr.apply(model, method=method, budget=budget, layer=layer, options=options)
-    n_visual = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
-    n_layers = len(adapter_for(model).decoder_layers(model))
-    stages = [] if method == VANILLA else pruning.config.plan(n_visual, n_layers)
-    clock_ref = [Clock(device)]
-    lm, vision, overhead = [], [], []
-    with pruning, timing_hooks(model, clock_ref, [layer for layer, _ in stages]):
-        for step in range(warmup + repeats):
-            clock_ref[0] = Clock(device)
-            output = model(**inputs, use_cache=True, logits_to_keep=1)
-            if step < warmup:
-                continue
-            clock = clock_ref[0]
-            lm.append(clock.elapsed_ms("lm_start", "lm_end"))
-            vision.append(clock.elapsed_ms("vision_start", "vision_end"))
-            if stages:
-                overhead.append(
-                    sum(clock.elapsed_ms(f"score_start_{i}", f"score_end_{i}") for i in range(len(stages)))
-                )
-        if stages:  # the tokens each stage left: SparseVLM recycles clusters on top of its counts
-            stages = [(stage.layer, stage.kept.shape[1]) for stage in pruning.last.stages]
-        cache = output.past_key_values
-        kv_bytes = sum(
-            t.numel() * t.element_size() for layer_ in cache.layers for t in (layer_.keys, layer_.values)
-        )
-        del output, cache
-        decode, peak = _decode(model, inputs, new_tokens, decode_repeats)
-    batch = inputs["input_ids"].shape[0]
-    return {
-        "lm_prefill_ms": Spread.of(lm),
-        "vision_ms": Spread.of(vision),
-        "overhead_ms": Spread.of(overhead) if overhead else None,
-        "kv_cache_bytes": kv_bytes,
-        "decode_s": Spread.of(decode),
-        "samples_per_s": batch / statistics.median(decode),
-        "tokens_per_s": batch * new_tokens / statistics.median(decode),
-        "peak_memory_bytes": peak,
-        "stages": stages,
-    }
-
-
-def _decode(
-    model: nn.Module, inputs: dict[str, torch.Tensor], new_tokens: int, repeats: int
-) -> tuple[list[float], int | None]:
-    """Seconds of end-to-end greedy generation of exactly ``new_tokens`` tokens, and the GPU peak."""
-    cuda = model.device.type == "cuda"
-    options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-    model.generate(**inputs, **options)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    seconds = []
-    for _ in range(repeats):
-        clock = Clock(model.device)
-        clock.mark("a")
-        model.generate(**inputs, **options)
-        clock.mark("b")
-        seconds.append(clock.elapsed_ms("a", "b") / 1e3)
-    return seconds, torch.cuda.max_memory_allocated() if cuda else None
 
 
 def lm_weight_bytes(model: nn.Module) -> int:
@@ -299,6 +246,254 @@ def predict_ms(flops: float, bytes_moved: float, ceilings: Ceilings) -> float:
     """Roofline time: the slower of computing at the measured peak and moving bytes at the measured
     bandwidth."""
     return 1e3 * max(flops / ceilings.matmul_flops_per_s, bytes_moved / ceilings.copy_bytes_per_s)
+
+
+Case = tuple[str, "int | None", int]  # (method, budget, batch)
+Step = tuple  # ("setup", case) | ("prefill", case, round) | ("decode_warmup", case) | ("decode", case, round)
+
+
+def rotated(group: Sequence[Case], round_: int) -> list[Case]:
+    """The order of ``group`` in one round: each round starts one configuration later, so over
+    len(group) rounds every configuration runs in every position once and drift or warm-up carried
+    over from the previous configuration cancels out of the comparison."""
+    shift = round_ % len(group)
+    return [*group[shift:], *group[:shift]]
+
+
+def schedule(cases: Sequence[Case], repeats: int, decode_repeats: int, done: set[tuple]) -> list[Step]:
+    """Every step still to run, configurations interleaved round by round within each batch size;
+    ``done`` holds the ("setup" | "prefill" | "decode", case[, round]) keys already recorded."""
+    steps: list[Step] = []
+    for batch in dict.fromkeys(case[2] for case in cases):
+        group = [case for case in cases if case[2] == batch]
+        prefill = [("prefill", c, r) for r in range(repeats) for c in rotated(group, r)]
+        decode = [("decode", c, r) for r in range(decode_repeats) for c in rotated(group, r)]
+        prefill = [step for step in prefill if step not in done]
+        decode = [step for step in decode if step not in done]
+        steps += [("setup", c) for c in group if ("setup", c) not in done or any(s[1] == c for s in prefill)]
+        steps += prefill
+        steps += [("decode_warmup", c) for c in group if any(s[1] == c for s in decode)]
+        steps += decode
+    return steps
+
+
+class Bench:
+    """One ``run_bench`` run: its measurements so far, recorded in ``journal`` as they finish, and
+    the report of every configuration fully measured (after an interrupt: the table of what finished)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        methods: Sequence[str],
+        budgets: Sequence[int],
+        batch_sizes: Sequence[int],
+        layer: int | None = None,
+        options: dict[str, Any] | None = None,
+        text_tokens: int = 48,
+        new_tokens: int = 32,
+        warmup: int = 3,
+        repeats: int = 10,
+        decode_repeats: int = 3,
+        seed: int = 0,
+        meta: dict[str, Any] | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self.model, self.layer, self.options = model, layer, options
+        self.text_tokens, self.new_tokens, self.seed = text_tokens, new_tokens, seed
+        self.warmup, self.repeats, self.decode_repeats = warmup, repeats, decode_repeats
+        self.cases: list[Case] = [(VANILLA, None, b) for b in batch_sizes]
+        self.cases += [(m, k, b) for b in batch_sizes for m in methods if m != VANILLA for k in budgets]
+        self.journal = journal
+        self.records: dict[tuple, dict[str, Any]] = {}
+        ceilings = None
+        for record in journal.records if journal is not None else []:
+            if record["kind"] == "ceilings":
+                ceilings = Ceilings(**record["ceilings"])
+            else:
+                self.records[_key(record)] = record
+        if ceilings is None:
+            ceilings = measure_ceilings(model.device, model.dtype)
+            self._record({"kind": "ceilings", "ceilings": asdict(ceilings)})
+        self.meta = _meta(model, meta or {})
+        self.ceilings = ceilings
+        self.n_visual = int((self._inputs(1)["input_ids"][0] == model.config.image_token_id).sum())
+
+    def run(self, progress: Callable[[Iterator], Iterator] = iter) -> None:
+        done = set(self.records)
+        inputs_of: dict[int, dict[str, torch.Tensor]] = {}
+        for step in progress(iter(schedule(self.cases, self.repeats, self.decode_repeats, done))):
+            kind, case = step[0], step[1]
+            batch = case[2]
+            if batch not in inputs_of:
+                inputs_of.clear()
+                inputs_of[batch] = self._inputs(batch)
+            getattr(self, f"_{kind}")(case, inputs_of[batch], *step[2:])
+
+    def _inputs(self, batch: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        adapter = adapter_for(self.model)
+        inputs = compat.rename_image_argument(
+            self.model, adapter.dummy_inputs(self.model.config, batch, self.text_tokens, generator)
+        )
+        device, dtype = self.model.device, self.model.dtype
+        return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
+
+    @contextmanager
+    def _attached(self, case: Case) -> Iterator[tuple[list[Clock], list[tuple[int, int]], Any]]:
+        method, budget, _ = case
+        if method == VANILLA:
+            pruning, stages = nullcontext(), []
+        else:
+            layer = self.layer if priortr.get_method(method).where == "layer" else None
+            pruning = priortr.apply(
+                self.model, method=method, budget=budget, layer=layer, options=self.options
+            )
+            stages = pruning.config.plan(
+                self.n_visual, len(adapter_for(self.model).decoder_layers(self.model))
+            )
+        clock_ref = [Clock(self.model.device)]
+        with (
+            pruning as handle,
+            timing_hooks(self.model, clock_ref, [layer for layer, _ in stages]),
+            torch.inference_mode(),
+        ):
+            yield clock_ref, stages, handle
+
+    def _setup(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
+        """Warm-up prefills, and once the KV cache bytes that a prefill leaves."""
+        with self._attached(case) as (_, stages, handle):
+            for _ in range(self.warmup):
+                self.model(**inputs, use_cache=True, logits_to_keep=1)
+            if ("setup", case) not in self.records:
+                cache = self.model(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+                if stages:  # the tokens each stage left: SparseVLM recycles clusters on top of its counts
+                    stages = [(stage.layer, stage.kept.shape[1]) for stage in handle.last.stages]
+                kv = sum(
+                    t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                )
+                setup = {"kind": "setup", "case": list(case), "kv_cache_bytes": kv, "stages": stages}
+                self._record({**setup, "sequence": inputs["input_ids"].shape[1]})
+
+    def _prefill(self, case: Case, inputs: dict[str, torch.Tensor], round_: int) -> None:
+        with self._attached(case) as (clock_ref, stages, _):
+            clock_ref[0] = clock = Clock(self.model.device)
+            self.model(**inputs, use_cache=True, logits_to_keep=1)
+            overhead = sum(clock.elapsed_ms(f"score_start_{i}", f"score_end_{i}") for i in range(len(stages)))
+            record = {
+                "kind": "prefill",
+                "case": list(case),
+                "round": round_,
+                "lm_ms": clock.elapsed_ms("lm_start", "lm_end"),
+                "vision_ms": clock.elapsed_ms("vision_start", "vision_end"),
+                "overhead_ms": overhead if stages else None,
+            }
+        self._record(record)
+
+    def _generate_options(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": False}
+
+    def _decode_warmup(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
+        with self._attached(case):
+            self.model.generate(**inputs, **self._generate_options())
+
+    def _decode(self, case: Case, inputs: dict[str, torch.Tensor], round_: int) -> None:
+        """Seconds of end-to-end greedy generation of exactly ``new_tokens`` tokens, and the GPU peak."""
+        cuda = self.model.device.type == "cuda"
+        with self._attached(case):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            clock = Clock(self.model.device)
+            clock.mark("a")
+            self.model.generate(**inputs, **self._generate_options())
+            clock.mark("b")
+            seconds = clock.elapsed_ms("a", "b") / 1e3
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        self._record(
+            {"kind": "decode", "case": list(case), "round": round_, "seconds": seconds, "peak": peak}
+        )
+
+    def _record(self, record: dict[str, Any]) -> None:
+        if record["kind"] != "ceilings":
+            self.records[_key(record)] = record
+        if self.journal is not None:
+            self.journal.append(record)
+
+    def report(self) -> BenchReport:
+        """Every configuration whose measurements are all recorded, vanilla first at each batch size."""
+        report = BenchReport(meta=self.meta, ceilings=self.ceilings)
+        weights = lm_weight_bytes(self.model)
+        baseline: dict[int, CaseResult] = {}
+        for case in self.cases:
+            setup = self.records.get(("setup", case))
+            prefill = [self.records.get(("prefill", case, r)) for r in range(self.repeats)]
+            decode = [self.records.get(("decode", case, r)) for r in range(self.decode_repeats)]
+            if setup is None or None in prefill or None in decode:
+                continue
+            result = case_result(self.model, case, setup, prefill, decode, self.n_visual, self.new_tokens)
+            result.predicted_ms = predict_ms(
+                result.lm_flops, weights + result.kv_cache_expected_bytes, self.ceilings
+            )
+            if case[0] == VANILLA:
+                baseline[case[2]] = result
+            elif case[2] in baseline:
+                compare(baseline[case[2]], result)
+            else:
+                result.speedup = result.limit_speedup = float("nan")
+            report.cases.append(result)
+        return report
+
+
+def _key(record: dict[str, Any]) -> tuple:
+    case = tuple(record["case"])
+    return (record["kind"], case) if record["kind"] == "setup" else (record["kind"], case, record["round"])
+
+
+def case_result(
+    model: nn.Module,
+    case: Case,
+    setup: dict[str, Any],
+    prefill: list[dict[str, Any]],
+    decode: list[dict[str, Any]],
+    n_visual: int,
+    new_tokens: int,
+) -> CaseResult:
+    """One configuration's row from its recorded measurements."""
+    method, budget, batch = case
+    config = model.config
+    stages = [tuple(stage) for stage in setup["stages"]]
+    seq = setup["sequence"]
+    kept = stages[-1][1] if stages else n_visual  # a schedule (SparseVLM) may end below the budget
+    flops = batch * scheduled_prefill_flops(config, seq - n_visual, n_visual, stages, exact=True)
+    overheads = [r["overhead_ms"] for r in prefill if r["overhead_ms"] is not None]
+    seconds = [r["seconds"] for r in decode]
+    peaks = [r["peak"] for r in decode if r["peak"] is not None]
+    return CaseResult(
+        method=method,
+        budget=budget,
+        batch=batch,
+        lm_prefill_ms=Spread.of([r["lm_ms"] for r in prefill]),
+        vision_ms=Spread.of([r["vision_ms"] for r in prefill]),
+        overhead_ms=Spread.of(overheads) if overheads else None,
+        kv_cache_bytes=setup["kv_cache_bytes"],
+        kv_cache_expected_bytes=kv_cache_bytes(
+            config, seq - n_visual + kept, model.dtype.itemsize, batch, pruned_from=None
+        ),
+        decode_s=Spread.of(seconds),
+        samples_per_s=batch / statistics.median(seconds),
+        tokens_per_s=batch * new_tokens / statistics.median(seconds),
+        peak_memory_bytes=max(peaks) if peaks else None,
+        lm_flops=flops,
+        predicted_ms=0.0,
+    )
+
+
+def compare(base: CaseResult, case: CaseResult) -> None:
+    """The speed-up of ``case`` over ``base`` (ratio of medians), its roofline limit, and whether the
+    difference of the medians exceeds the spread of both sides' timings (else it is not resolved)."""
+    case.speedup = base.lm_prefill_ms.median / case.lm_prefill_ms.median
+    case.limit_speedup = base.predicted_ms / case.predicted_ms
+    difference = abs(base.lm_prefill_ms.median - case.lm_prefill_ms.median)
+    case.resolved = difference > max(base.lm_prefill_ms.width, case.lm_prefill_ms.width)
 
 
 def run_bench(
@@ -316,50 +511,28 @@ def run_bench(
     seed: int = 0,
     progress: Callable[[Iterator], Iterator] = iter,
     meta: dict[str, Any] | None = None,
+    journal: Journal | None = None,
 ) -> BenchReport:
-    """Every (method, budget, batch) configuration, vanilla first at each batch size."""
-    config = model.config
-    device, dtype = model.device, model.dtype
-    adapter = adapter_for(model)
-    report = BenchReport(meta=_meta(model, meta or {}), ceilings=measure_ceilings(device, dtype))
-    cases = [(VANILLA, None, b) for b in batch_sizes]
-    cases += [(m, k, b) for b in batch_sizes for m in methods if m != VANILLA for k in budgets]
-    weights = lm_weight_bytes(model)
-    baseline: dict[int, CaseResult] = {}
-    for method, budget, batch in progress(cases):
-        generator = torch.Generator().manual_seed(seed)
-        inputs = compat.rename_image_argument(
-            model, adapter.dummy_inputs(config, batch, text_tokens, generator)
-        )
-        inputs = {
-            k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
-        }
-        n_visual = int((inputs["input_ids"][0] == config.image_token_id).sum())
-        seq = inputs["input_ids"].shape[1]
-        measured = run_case(
-            model, inputs, method, budget, warmup, repeats, new_tokens, decode_repeats, layer, options
-        )
-        stages = measured.pop("stages")
-        kept = stages[-1][1] if stages else n_visual  # a schedule (SparseVLM) may end off the budget
-        flops = batch * scheduled_prefill_flops(config, seq - n_visual, n_visual, stages, exact=True)
-        expected_kv = kv_cache_bytes(config, seq - n_visual + kept, dtype.itemsize, batch, pruned_from=None)
-        case = CaseResult(
-            method=method,
-            budget=budget,
-            batch=batch,
-            kv_cache_expected_bytes=expected_kv,
-            lm_flops=flops,
-            predicted_ms=predict_ms(flops, weights + expected_kv, report.ceilings),
-            **measured,
-        )
-        if method == VANILLA:
-            baseline[batch] = case
-        else:
-            base = baseline[batch]
-            case.speedup = base.lm_prefill_ms.median / case.lm_prefill_ms.median
-            case.limit_speedup = base.predicted_ms / case.predicted_ms
-        report.cases.append(case)
-    return report
+    """Every (method, budget, batch) configuration, interleaved across repeats (``schedule``); with a
+    ``journal``, each measurement is recorded as it finishes and those recorded are not repeated."""
+    bench = Bench(
+        model,
+        methods,
+        budgets,
+        batch_sizes,
+        layer,
+        options,
+        text_tokens,
+        new_tokens,
+        warmup,
+        repeats,
+        decode_repeats,
+        seed,
+        meta,
+        journal,
+    )
+    bench.run(progress)
+    return bench.report()
 
 
 def _meta(model: nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
@@ -399,15 +572,28 @@ def format_markdown(report: BenchReport) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report.cases:
-        p = c.lm_prefill_ms
         overhead = f"{c.overhead_ms.median:.3f}" if c.overhead_ms else "-"
         lines.append(
             f"| {c.method} | {c.budget if c.budget is not None else 'all'} | {c.batch} "
-            f"| {p.median:.2f} [{p.q25:.2f}, {p.q75:.2f}] | {c.vision_ms.median:.2f} | {overhead} "
+            f"| {c.lm_prefill_ms} | {c.vision_ms.median:.2f} | {overhead} "
             f"| {c.kv_cache_bytes / 2**20:.1f} | {c.samples_per_s:.2f} | {c.tokens_per_s:.1f} "
-            f"| {c.speedup:.2f}x | {c.limit_speedup:.2f}x | {c.limit_ratio:.0%} |"
+            f"| {c.speedup:.2f}x{'' if c.resolved else ' (!)'} | {c.limit_speedup:.2f}x "
+            f"| {c.limit_ratio:.0%} |"
         )
+    lines += [f"\nwarning: {line}" for line in spread_warnings(report)]
     return "\n".join(lines) + "\n"
+
+
+def spread_warnings(report: BenchReport) -> list[str]:
+    """One line per speed-up (marked (!) in the table) whose prefill medians differ by less than the
+    spread of the timings: the speed-up is within noise there."""
+    return [
+        f"{c.method} K={c.budget} batch {c.batch}: the LM prefill medians differ by less than the spread "
+        f"of the timings ({c.lm_prefill_ms.width:.2f} ms); the speed-up {c.speedup:.2f}x is not resolved: "
+        "add --repeats or free the machine"
+        for c in report.cases
+        if not c.resolved
+    ]
 
 
 def plot(report: BenchReport, path: Path) -> None:

@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,10 @@ import torch
 from torch import nn
 
 import priortr
-from priortr import viz
+from priortr import cli_input, viz
+from priortr.cli_input import DTYPES, TESTBED, nonnegative_int, positive_int
 
 log = logging.getLogger("priortr.cli")
-TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_budget(text: str) -> int | float:
@@ -54,6 +54,8 @@ def parse_stage(text: str) -> tuple[int, int | float]:
     layer, sep, budget = text.partition(":")
     if not sep or not re.fullmatch(r"[+-]?\d+", layer.strip()):
         raise argparse.ArgumentTypeError(f"a stage is layer:budget (e.g. 7:288), got {text!r}")
+    if int(layer) < 0:
+        raise argparse.ArgumentTypeError(f"a stage's layer is a decoder layer index >= 0, got {text!r}")
     return int(layer), parse_budget(budget)
 
 
@@ -97,14 +99,10 @@ class PrefillTimer:
 
 
 def load(model_id: str, dtype: str | None, device: str) -> tuple[Any, nn.Module]:
-    """Processor and model from a hub id, a local directory or ``testbed``; any loading failure becomes a
-    ValueError."""
+    """Processor and model from a hub id or a local directory (``cli_input.model_source``); any loading
+    failure becomes a ValueError."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if model_id == TESTBED:
-        from priortr.testbed.assemble import checkpoint
-
-        model_id = str(checkpoint())
     try:
         processor = AutoProcessor.from_pretrained(model_id)
         model = AutoModelForImageTextToText.from_pretrained(model_id, dtype=DTYPES.get(dtype, "auto"))
@@ -118,15 +116,9 @@ def load(model_id: str, dtype: str | None, device: str) -> tuple[Any, nn.Module]
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Answer ``--prompt`` about ``--image`` with greedy decoding, pruned unless ``--no-prune``."""
-    from PIL import Image
-
-    try:  # before the (slow) model load, to fail fast on a bad path
-        image = Image.open(args.image).convert("RGB")
-    except OSError as exc:
-        raise ValueError(f"cannot read image {args.image!r}: {exc.strerror or exc}") from exc
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
-    processor, model = load(args.model, args.dtype, args.device)
-    inputs = viz.chat_inputs(processor, image, args.prompt, model)
+    processor, model = load(args.source, args.dtype, args.device)
+    inputs = viz.chat_inputs(processor, args.loaded_image, args.prompt, model)
     pruning = contextlib.nullcontext() if args.no_prune else priortr.apply(model, **pruning_arguments(args))
     with pruning as handle, torch.inference_mode():
         timer = PrefillTimer(model)
@@ -193,19 +185,27 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Measure prefill, KV cache and throughput for vanilla and each method x budget x batch size."""
+    """Measure prefill, KV cache and throughput for vanilla and each method x budget x batch size;
+    every measurement is recorded as it finishes (``bench.jsonl``, read back by ``--resume``)."""
     from tqdm import tqdm
 
     from priortr import bench
+    from priortr.journal import Journal
 
-    device = torch.device(args.device)
+    out = Path(args.out)
+    settings = {
+        key: getattr(args, key)
+        for key in ("model", "layers", "vision_layers", "layer", "option", "text_tokens", "new_tokens")
+    }
+    settings.update(device=args.device, dtype=args.dtype, attn=args.attn)
+    settings["option"] = [list(option) for option in args.option or []]
+    journal = Journal(out / "bench.jsonl", settings, args.resume)
     model = bench.build_model(
-        args.model, device, DTYPES[args.dtype], args.layers, args.vision_layers, args.attn
+        args.model, torch.device(args.device), DTYPES[args.dtype], args.layers, args.vision_layers, args.attn
     )
-    methods = args.methods or [bench.VANILLA, *priortr.available_methods()]
-    report = bench.run_bench(
+    runner = bench.Bench(
         model,
-        methods,
+        args.methods or [bench.VANILLA, *priortr.available_methods()],
         args.budgets,
         args.batch_sizes,
         layer=args.layer,
@@ -215,12 +215,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         decode_repeats=args.decode_repeats,
-        progress=lambda cases: tqdm(cases, desc="bench", unit="config", file=sys.stderr),
         meta={"model": args.model, "command": "priortr " + " ".join(args.argv)},
+        journal=journal,
     )
+    with finished_so_far(lambda: bench.format_markdown(runner.report()), journal.path):
+        runner.run(lambda steps: tqdm(list(steps), desc="bench", unit="run", file=sys.stderr))
+    journal.close()
+    report = runner.report()
     report.meta["peak_rss_bytes"] = bench.peak_rss_bytes()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     document = report.to_json()
     (out / "bench.json").write_text(json.dumps(document, indent=2))
     (out / "bench.md").write_text(bench.format_markdown(report))
@@ -232,16 +234,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_viz(args: argparse.Namespace) -> int:
     """Draw the prior Q, posterior P, score S and kept tokens over the image, one row per layer x budget
     (the paper's qualitative figure)."""
-    from PIL import Image
-
     from priortr.adapters import adapter_for
 
-    try:  # before the (slow) model load, to fail fast on a bad path
-        image = Image.open(args.image).convert("RGB")
-    except OSError as exc:
-        raise ValueError(f"cannot read image {args.image!r}: {exc.strerror or exc}") from exc
+    image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
-    processor, model = load(args.model, args.dtype, args.device)
+    processor, model = load(args.source, args.dtype, args.device)
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
     )
@@ -260,10 +257,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     budget, and a PNG of prior, posterior, score and kept tokens."""
     from priortr.testbed import demo
 
-    start = time.perf_counter()
-    model, processor = demo.load()
     sample = demo.demo_sample()
     image = sample.image()
+    if args.save_image is not None:
+        image.save(args.save_image)
+        print(f"{args.save_image}: scene {sample.image_id}, e.g. --prompt {sample.question!r}")
+        return 0
+    start = time.perf_counter()
+    model, processor = demo.load()
     print(f"scene {sample.image_id} (seeded generator); question: {sample.question}")
     print(f"reference answer: {sample.answer}")
     for reply in demo.run(model, processor, sample, image, args.budget, args.layer):
@@ -276,27 +277,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Accuracy on a named split for methods x budgets; writes JSON, a markdown table and a retention plot."""
+    """Accuracy on a named split for methods x budgets; writes every answer as it comes
+    (``<split>.samples.jsonl``, read back by ``--resume``), then JSON, a markdown table and a retention
+    plot."""
+    from priortr.journal import Journal
     from priortr.testbed import data, evaluate
 
     samples = data.load_split(args.split, args.limit)
-    processor, model = load(args.model, args.dtype, args.device)
-    report = evaluate.evaluate(
-        model,
-        processor,
-        samples,
-        args.split,
-        methods=args.methods,
-        budgets=args.budgets,
-        layer=args.layer,
-        batch_size=args.batch_size,
-        model_name=args.model,
+    settings = {"split": args.split, "limit": args.limit, "model": args.model, "layer": args.layer}
+    settings["dtype"] = args.dtype
+    journal = Journal(Path(args.out) / f"{args.split}.samples.jsonl", settings, args.resume)
+    processor, model = load(args.source, args.dtype, args.device)
+    evaluation = evaluate.Evaluation(
+        model, processor, samples, args.split, args.methods, args.budgets, args.layer, args.model, journal
     )
+    with finished_so_far(lambda: evaluation.report().to_markdown(), journal.path):
+        evaluation.run(args.batch_size)
+    journal.close()
+    report = evaluation.report()
     for path in report.write(args.out, args.split):
         log.info("wrote %s", path)
     print(report.to_markdown())
-    print(f"wrote {args.out}/{args.split}.{{json,md,png}}")
+    print(f"wrote {args.out}/{args.split}.{{samples.jsonl,json,md,png}}")
     return 0
+
+
+@contextlib.contextmanager
+def finished_so_far(table: Callable[[], str], journal: Path) -> Iterator[None]:
+    """On Ctrl-C or a failure inside the block, print the table of what finished and how to resume."""
+    try:
+        yield
+    except BaseException:
+        print(table(), end="")
+        print(f"stopped early; what finished is recorded in {journal}: rerun with --resume to continue")
+        raise
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -324,31 +338,52 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", required=True, help="path of the image file")
     parser.add_argument("--prompt", required=True, help="the question or instruction")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the checkpoint's")
 
 
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """``--layer``, ``--stages`` and ``--option``: where and how a method prunes."""
-    parser.add_argument("--layer", type=int, help=LAYER_HELP)
+    parser.add_argument("--layer", type=nonnegative_int, help=LAYER_HELP)
     parser.add_argument(
-        "--stages", type=parse_stage, nargs="+", help="explicit stages layer:budget (e.g. 7:288 15:144)"
+        "--stages",
+        type=parse_stage,
+        nargs="+",
+        help="explicit stages layer:budget (e.g. 7:288 15:144), instead of --budget and --layer",
     )
     parser.add_argument("--option", type=parse_option, action="append", help="a method's knob, name=value")
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``priortr generate: error: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse reads "-1:128" as an unknown option and says "--stages: expected one argument"
+        for token in args or []:
+            if re.fullmatch(r"-\d+:\S*", token):
+                self.error(f"argument --stages: a stage's layer is a decoder layer index >= 0, got {token!r}")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one sub-parser per command, each dispatching to its ``cmd_*`` function."""
-    parser = argparse.ArgumentParser(prog="priortr", description="Prior-corrected visual token pruning.")
+    parser = Parser(prog="priortr", description="Prior-corrected visual token pruning.")
+    parser.add_argument("--version", action="version", version=f"priortr {priortr.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics to stderr")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = commands.add_parser(
         "generate", help="answer a prompt about an image", description=cmd_generate.__doc__
     )
     add_model_arguments(gen)
     gen.add_argument("--method", default="priortr", help="a method of `priortr methods`")
-    gen.add_argument("--budget", type=parse_budget, default=64, help="kept tokens: count, or ratio in (0, 1)")
+    gen.add_argument(
+        "--budget", type=parse_budget, help="kept tokens: count, or ratio in (0, 1) (default 64)"
+    )
     add_layer_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
 
@@ -360,10 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
     fl.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64])
     fl.add_argument("--methods", nargs="+", default=["priortr"], help="priortr, fastv or pdrop")
-    fl.add_argument("--layer", type=int, default=2, help="0-indexed decoder layer whose attention is scored")
-    fl.add_argument("--text-tokens", type=int, default=48)
-    fl.add_argument("--decode-steps", type=int, default=63)
-    fl.add_argument("--image-tokens", type=int, help="visual tokens per image (default: the model's)")
+    fl.add_argument(
+        "--layer", type=nonnegative_int, default=2, help="0-indexed decoder layer whose attention is scored"
+    )
+    fl.add_argument("--text-tokens", type=positive_int, default=48)
+    fl.add_argument("--decode-steps", type=nonnegative_int, default=63)
+    fl.add_argument(
+        "--image-tokens", type=positive_int, help="visual tokens per image (default: the model's)"
+    )
     fl.add_argument("--exact", action="store_true", help="count grouped-query K/V projections exactly")
     fl.add_argument("--paper", action="store_true", help="reproduce the paper's FLOPs column instead")
     fl.add_argument("--json", action="store_true", help="print one JSON document")
@@ -373,26 +412,38 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="measure prefill, KV cache and throughput", description=cmd_bench.__doc__
     )
     bench.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
-    bench.add_argument("--layers", type=int, help="cut the language model to this many decoder layers")
-    bench.add_argument("--vision-layers", type=int, help="cut the vision tower to this many layers")
-    bench.add_argument("--methods", nargs="+", help="default: vanilla and every method")
-    bench.add_argument("--budgets", type=int, nargs="+", default=[192, 128, 64])
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    bench.add_argument("--layer", type=int, help=LAYER_HELP)
-    bench.add_argument("--option", type=parse_option, action="append", help="a method's knob, name=value")
-    bench.add_argument("--text-tokens", type=int, default=48, help="text tokens around the image")
-    bench.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sample")
-    bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--repeats", type=int, default=10, help="timed prefill runs per configuration")
     bench.add_argument(
-        "--decode-repeats", type=int, default=3, help="timed generate() runs per configuration"
+        "--layers", type=positive_int, help="cut the language model to this many decoder layers"
+    )
+    bench.add_argument("--vision-layers", type=positive_int, help="cut the vision tower to this many layers")
+    bench.add_argument("--methods", nargs="+", help="default: vanilla and every method")
+    bench.add_argument("--budgets", type=positive_int, nargs="+", default=[192, 128, 64])
+    bench.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32])
+    bench.add_argument("--layer", type=nonnegative_int, help=LAYER_HELP)
+    bench.add_argument("--option", type=parse_option, action="append", help="a method's knob, name=value")
+    bench.add_argument("--text-tokens", type=positive_int, default=48, help="text tokens around the image")
+    bench.add_argument(
+        "--new-tokens", type=positive_int, default=32, help="greedy tokens generated per sample"
+    )
+    bench.add_argument("--warmup", type=nonnegative_int, default=3)
+    bench.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=10,
+        help="timed prefill runs per configuration (quartiles from 5)",
+    )
+    bench.add_argument(
+        "--decode-repeats", type=positive_int, default=3, help="timed generate() runs per configuration"
     )
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
+        "--dtype", choices=list(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
     )
-    bench.add_argument("--attn", default="sdpa", help="attention implementation")
-    bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
+    bench.add_argument("--attn", choices=cli_input.ATTENTION, default="sdpa", help="attention implementation")
+    bench.add_argument(
+        "--out", default="bench-out", help="folder for bench.jsonl (each measurement), bench.json, .md, .png"
+    )
+    bench.add_argument("--resume", action="store_true", help="continue the run recorded in --out")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     bench.set_defaults(func=cmd_bench)
 
@@ -401,7 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_arguments(viz)
     viz.add_argument("--method", default="priortr", help="a scoring-rule method of `priortr methods`")
-    viz.add_argument("--layers", type=int, nargs="+", default=[2], help="0-indexed scored layers, a row each")
+    viz.add_argument(
+        "--layers", type=nonnegative_int, nargs="+", default=[2], help="0-indexed scored layers, a row each"
+    )
     viz.add_argument(
         "--budgets",
         type=parse_budget,
@@ -409,15 +462,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=[64],
         help="kept tokens: counts or ratios, a row each",
     )
-    viz.add_argument("--out", required=True, help="path of the PNG to write")
+    viz.add_argument("--out", required=True, help="path of the PNG to write (.png added if no suffix)")
     viz.set_defaults(func=cmd_viz)
 
     demo = commands.add_parser(
         "demo", help="the trained testbed: full model vs FastV vs PriorTR", description=cmd_demo.__doc__
     )
-    demo.add_argument("--budget", type=int, default=32, help="visual tokens kept of 576")
-    demo.add_argument("--layer", type=int, default=2, help=LAYER_HELP)
+    demo.add_argument("--budget", type=positive_int, default=32, help="visual tokens kept of 576")
+    demo.add_argument("--layer", type=nonnegative_int, default=2, help=LAYER_HELP)
     demo.add_argument("--out", default="priortr-demo.png", help="path of the PNG to write")
+    demo.add_argument(
+        "--save-image", metavar="PATH", help="only save the demo's scene image (to try generate and viz on)"
+    )
     demo.set_defaults(func=cmd_demo)
 
     from priortr.testbed import data, evaluate
@@ -426,19 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="accuracy under pruning, methods x budgets", description=cmd_eval.__doc__
     )
     ev.add_argument("--split", choices=data.SPLITS, default="scenes-test")
-    ev.add_argument("--limit", type=int, help="a fixed random subset of this many questions")
+    ev.add_argument("--limit", type=positive_int, help="a fixed random subset of this many questions")
     ev.add_argument("--model", default=TESTBED, help=f"{TESTBED}, or a checkpoint with a chat template")
     ev.add_argument("--methods", nargs="+", default=list(evaluate.DEFAULT_METHODS))
-    ev.add_argument("--budgets", type=int, nargs="+", default=list(evaluate.DEFAULT_BUDGETS))
+    ev.add_argument("--budgets", type=positive_int, nargs="+", default=list(evaluate.DEFAULT_BUDGETS))
     ev.add_argument(
         "--layer",
-        type=int,
+        type=nonnegative_int,
         help="0-indexed decoder layer scored by one-layer methods (default: each method's own)",
     )
-    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--batch-size", type=positive_int, default=8)
     ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ev.add_argument("--out", default="eval-out", help="folder for <split>.json, .md and .png")
+    ev.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ev.add_argument(
+        "--out", default="eval-out", help="folder for <split>.samples.jsonl (every answer), .json, .md, .png"
+    )
+    ev.add_argument("--resume", action="store_true", help="continue the run recorded in --out")
     ev.set_defaults(func=cmd_eval)
 
     rep = commands.add_parser(
@@ -463,11 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     log.info("arguments: %s", {k: v for k, v in vars(args).items() if k != "func"})
     args.argv = argv
     try:
+        cli_input.check(args)
         return args.func(args)
     except (ValueError, OSError) as exc:
-        log.debug("traceback", exc_info=True)
-        print(f"priortr: error: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"priortr: error: {cli_input.one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("priortr: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -210,6 +210,8 @@ def render(results: Sequence[MapResult], image_view: Any, path: str | Path, titl
     fig.suptitle(textwrap.fill(title or _default_title(results), 150), fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     path = Path(path)
+    if not path.suffix:  # matplotlib would add one itself; return the path it writes
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

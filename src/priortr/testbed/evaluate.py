@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
+from priortr.journal import Journal
 from priortr.methods import get_method
 from priortr.testbed.data import Sample, iter_images
 
@@ -218,47 +219,129 @@ def evaluate(
     batch_size: int = 8,
     model_name: str = "testbed",
     progress: bool = True,
+    journal: Journal | None = None,
 ) -> Report:
     """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned.
 
     ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
-    that prune before the language model or on their own schedule of layers take none.
-    """
-    if not samples:
-        raise ValueError(f"split {split!r} has no samples to evaluate")
-    cells = [Cell(VANILLA, None)] if VANILLA in methods else []
-    cells += [Cell(m, b) for m in methods if m != VANILLA for b in budgets]
-    pairs = list(iter_images(list(samples)))
-    bar = tqdm(total=len(cells) * len(pairs), desc=f"eval {split}", unit="q", disable=not progress)
-    start = time.perf_counter()
-    for cell in cells:
-        bar.set_postfix_str(f"{cell.method} K={cell.budget or 'all'}")
-        pruning = (
-            contextlib.nullcontext()
-            if cell.method == VANILLA
-            else apply(
-                model,
-                method=cell.method,
-                budget=cell.budget,
-                layer=_layer_for(cell.method, layer),
-                strict=True,
-            )
+    that prune before the language model or on their own schedule of layers take none. With a
+    ``journal`` every answer is recorded as its batch finishes, and answers already recorded there are
+    not asked again (``Evaluation``)."""
+    evaluation = Evaluation(model, processor, samples, split, methods, budgets, layer, model_name, journal)
+    evaluation.run(batch_size, progress)
+    return evaluation.report()
+
+
+class Evaluation:
+    """One ``evaluate`` run, whose ``report()`` holds every answer recorded so far: after an interrupt
+    it is the table of what finished."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        processor: Any,
+        samples: Sequence[Sample],
+        split: str,
+        methods: Sequence[str] = DEFAULT_METHODS,
+        budgets: Sequence[int] = DEFAULT_BUDGETS,
+        layer: int | None = None,
+        model_name: str = "testbed",
+        journal: Journal | None = None,
+    ) -> None:
+        if not samples:
+            raise ValueError(f"split {split!r} has no samples to evaluate")
+        self.model, self.processor, self.split, self.layer = model, processor, split, layer
+        self.model_name = model_name
+        self.samples = list(samples)
+        self.cells = [(VANILLA, None)] if VANILLA in methods else []
+        self.cells += [(m, b) for m in methods if m != VANILLA for b in budgets]
+        self.journal = journal
+        self.records: dict[tuple[str, int | None, int], dict[str, Any]] = {}
+        for record in journal.records if journal is not None else []:
+            index = record["index"]
+            if index >= len(self.samples) or record["question"] != self.samples[index].question:
+                raise ValueError(
+                    f"{journal.path}: question {index} differs from this split's; use another --out"
+                )
+            self.records[record["method"], record["budget"], index] = record
+        self.seconds = 0.0
+
+    def run(self, batch_size: int = 8, progress: bool = True) -> None:
+        """Answer every question not recorded yet, batch by batch (the same batches on every run)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        pairs = list(iter_images(self.samples))
+        todo = {cell: [i for i in range(len(pairs)) if (*cell, i) not in self.records] for cell in self.cells}
+        bar = tqdm(
+            total=sum(map(len, todo.values())), desc=f"eval {self.split}", unit="q", disable=not progress
         )
-        with pruning as handle, torch.inference_mode():
-            for i in range(0, len(pairs), batch_size):
-                batch = pairs[i : i + batch_size]
-                replies = answer(model, processor, batch)
-                visual = _visual_tokens(model, len(batch), handle)
-                kept = visual if handle is None else (handle.last.kept >= 0).sum(1).tolist()
-                for (sample, _), reply, k, v in zip(batch, replies, kept, visual, strict=True):
-                    cell.add(sample, reply, k, v)
-                bar.update(len(batch))
-    bar.close()
-    dtype = str(model.dtype).removeprefix("torch.")
-    return Report(split, model_name, layer, dtype, cells, time.perf_counter() - start)
+        start = time.perf_counter()
+        try:
+            for (method, budget), missing in todo.items():
+                if not missing:
+                    continue
+                bar.set_postfix_str(f"{method} K={budget or 'all'}")
+                pruning = (
+                    contextlib.nullcontext()
+                    if method == VANILLA
+                    else apply(
+                        self.model,
+                        method=method,
+                        budget=budget,
+                        layer=layer_for(method, self.layer),
+                        strict=True,
+                    )
+                )
+                with pruning as handle, torch.inference_mode():
+                    for first in range(0, len(pairs), batch_size):
+                        rows = [i for i in missing if first <= i < first + batch_size]
+                        if rows:
+                            self._answer(method, budget, rows, [pairs[i] for i in rows], handle)
+                            bar.update(len(rows))
+        finally:
+            bar.close()
+            self.seconds += time.perf_counter() - start
+
+    def _answer(self, method: str, budget: int | None, rows: list[int], batch: list, handle) -> None:
+        replies = answer(self.model, self.processor, batch)
+        visual = _visual_tokens(self.model, len(batch), handle)
+        kept = visual if handle is None else (handle.last.kept >= 0).sum(1).tolist()
+        for index, (sample, _), reply, k, v in zip(rows, batch, replies, kept, visual, strict=True):
+            record = {
+                "method": method,
+                "budget": budget,
+                "index": index,
+                "image_id": sample.image_id,
+                "kind": sample.kind,
+                "question": sample.question,
+                "answer": sample.answer,
+                "reply": reply,
+                "correct": is_correct(sample, reply),
+                "kept": int(k),
+                "visual": int(v),
+            }
+            self.records[method, budget, index] = record
+            if self.journal is not None:
+                self.journal.append(record)
+
+    def report(self) -> Report:
+        """The cells of every recorded answer, in split order (cells with none yet are left out)."""
+        cells = []
+        for method, budget in self.cells:
+            cell = Cell(method, budget)
+            for index, sample in enumerate(self.samples):
+                record = self.records.get((method, budget, index))
+                if record is not None:
+                    cell.add(sample, record["reply"], record["kept"], record["visual"])
+            if cell.total:
+                cells.append(cell)
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return Report(self.split, self.model_name, self.layer, dtype, cells, self.seconds)
 
 
-def _layer_for(method: str, layer: int | None) -> int | None:
+def layer_for(method: str, layer: int | None) -> int | None:
+    """``layer`` for a method that scores one decoder layer; None for one that prunes before the
+    language model or on its own schedule (they take no layer)."""
     return layer if get_method(method).where == "layer" else None
 
 
