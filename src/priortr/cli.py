@@ -58,14 +58,35 @@ def parse_stage(text: str) -> tuple[int, int | float]:
 
 
 def pruning_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``priortr.apply`` keywords shared by the commands that prune."""
-    return {
+    """The ``priortr.apply`` keywords shared by the commands that prune; with ``--config``, the file's
+    (``priortr.apply`` refuses a flag that the file sets differently)."""
+    arguments = {
         "method": args.method,
         "budget": args.budget,
         "layer": args.layer,
         "stages": args.stages,
         "options": dict(args.option or []),
     }
+    return {**arguments, "config": args.config} if args.config else arguments
+
+
+def config_setting(
+    args: argparse.Namespace, command: str, keys: tuple[str, ...] = ("method", "budget", "layer", "options")
+) -> dict[str, Any]:
+    """The ``--config`` file's ``keys`` (defaults filled in), for commands that pass only those to
+    ``priortr.apply``; a file that sets any other keyword is refused rather than half-applied. The
+    values themselves are checked by ``priortr.apply`` when the command prunes."""
+    from priortr.config_file import apply_defaults, read_config
+
+    stored = read_config(args.config)
+    defaults = apply_defaults()
+    extra = sorted(name for name, value in stored.items() if name not in keys and value != defaults[name])
+    if extra:
+        raise ValueError(
+            f"priortr {command} takes only {', '.join(keys)} from a config, and {args.config!r} also sets "
+            f"{', '.join(extra)}: use `priortr generate` or priortr.apply(model, config=...) for it"
+        )
+    return {name: stored.get(name, defaults[name]) for name in keys}
 
 
 class PrefillTimer:
@@ -178,6 +199,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
         result = flops.paper_reproduction()
         print(json.dumps(result) if args.json else flops.format_paper_table(result))
         return 0
+    if args.config:
+        setting = config_setting(args, "flops", ("method", "budget", "layer"))
+        args.methods, args.budgets = [setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     report = flops.flops_report(
         args.model,
         args.budgets,
@@ -198,6 +223,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from priortr import bench
 
+    if args.config:
+        setting = config_setting(args, "bench")
+        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer, args.option = setting["layer"], list(setting["options"].items())
     device = torch.device(args.device)
     model = bench.build_model(
         args.model, device, DTYPES[args.dtype], args.layers, args.vision_layers, args.attn
@@ -241,6 +270,10 @@ def cmd_viz(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"cannot read image {args.image!r}: {exc.strerror or exc}") from exc
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
+    if args.config:
+        setting = config_setting(args, "viz", ("method", "budget", "layer"))
+        args.method, args.budgets = setting["method"], [setting["budget"]]
+        args.layers = args.layers if setting["layer"] is None else [setting["layer"]]
     processor, model = load(args.model, args.dtype, args.device)
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
@@ -279,6 +312,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Accuracy on a named split for methods x budgets; writes JSON, a markdown table and a retention plot."""
     from priortr.testbed import data, evaluate
 
+    if args.config:
+        setting = config_setting(args, "eval", ("method", "budget", "layer"))
+        args.methods, args.budgets = [evaluate.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     samples = data.load_split(args.split, args.limit)
     processor, model = load(args.model, args.dtype, args.device)
     report = evaluate.evaluate(
@@ -299,6 +336,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Without labels, how faithful each method x layer x budget stays to the unpruned model on your
+    prompts (answer agreement, first-token KL) and what it saves (measured LM prefill speed-up, FLOPs);
+    recommends per method the fastest configuration reaching --target and writes it as a config file."""
+    from priortr import calibrate
+
+    prompts = calibrate.load_prompts(args.data, args.limit)  # before the (slow) model load
+    settings = calibrate.grid(args.methods, args.layers, args.budgets)
+    processor, model = load(args.model, args.dtype, args.device)
+    result = calibrate.calibrate(
+        model,
+        processor,
+        prompts,
+        settings,
+        args.out,
+        model_name=args.model,
+        data_name=args.data,
+        target=args.target,
+        tokens=args.tokens,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    paths = result.write(args.out)
+    print(result.to_markdown(), end="")
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """The paper's table from lmms-eval result folders: a row per (model, budget, method), a column per
     benchmark in its own metric, and Avg %: the mean of score / baseline (unpruned) score, x 100."""
@@ -312,6 +379,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
+CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -348,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="priortr", help="a method of `priortr methods`")
     gen.add_argument("--budget", type=parse_budget, default=64, help="kept tokens: count, or ratio in (0, 1)")
     add_layer_arguments(gen)
+    gen.add_argument("--config", help=CONFIG_HELP + "; flags it sets differently are refused")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
@@ -366,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--image-tokens", type=int, help="visual tokens per image (default: the model's)")
     fl.add_argument("--exact", action="store_true", help="count grouped-query K/V projections exactly")
     fl.add_argument("--paper", action="store_true", help="reproduce the paper's FLOPs column instead")
+    fl.add_argument("--config", help=CONFIG_HELP + "; replaces --methods, --budgets and --layer")
     fl.add_argument("--json", action="store_true", help="print one JSON document")
     fl.set_defaults(func=cmd_flops)
 
@@ -392,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
     )
     bench.add_argument("--attn", default="sdpa", help="attention implementation")
+    bench.add_argument("--config", help=CONFIG_HELP + "; vanilla against it, replacing the grid flags")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     bench.set_defaults(func=cmd_bench)
@@ -409,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[64],
         help="kept tokens: counts or ratios, a row each",
     )
+    viz.add_argument("--config", help=CONFIG_HELP + "; replaces --method, --budgets and --layers")
     viz.add_argument("--out", required=True, help="path of the PNG to write")
     viz.set_defaults(func=cmd_viz)
 
@@ -434,8 +506,39 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--config", help=CONFIG_HELP + "; vanilla against it, replacing the grid flags")
     ev.add_argument("--out", default="eval-out", help="folder for <split>.json, .md and .png")
     ev.set_defaults(func=cmd_eval)
+
+    cal = commands.add_parser(
+        "calibrate",
+        help="label-free: which method, layer and budget keep this model's answers",
+        description=cmd_calibrate.__doc__,
+    )
+    cal.add_argument("--model", required=True, help=f"hub id, local checkpoint directory, or {TESTBED}")
+    cal.add_argument(
+        "--data",
+        required=True,
+        help=f'a folder holding prompts.jsonl (lines {{"image": PATH, "prompt": TEXT}}, paths relative to '
+        f"the folder), or a testbed split: {', '.join(data.SPLITS)}",
+    )
+    cal.add_argument("--limit", type=int, help="the first N prompts of a folder, a fixed subset of a split")
+    cal.add_argument(
+        "--methods", nargs="+", default=["fastv", "priortr"], help="methods of `priortr methods`"
+    )
+    cal.add_argument("--layers", type=int, nargs="+", default=[2], help="scored layers of one-layer methods")
+    cal.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64, 32])
+    cal.add_argument("--target", type=float, default=0.95, help="agreement a recommendation must reach")
+    cal.add_argument("--tokens", type=int, default=4, help="answer tokens compared for agreement")
+    cal.add_argument("--batch-size", type=int, default=8)
+    cal.add_argument(
+        "--warmup", type=int, default=1, help="untimed prefills before timing each configuration"
+    )
+    cal.add_argument("--repeats", type=int, default=5, help="timed prefills per configuration (median)")
+    cal.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cal.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    cal.add_argument("--out", default="calibration", help="folder for results, configs and the cache")
+    cal.set_defaults(func=cmd_calibrate)
 
     rep = commands.add_parser(
         "report", help="the paper's table from lmms-eval results", description=cmd_report.__doc__
