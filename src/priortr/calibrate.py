@@ -8,8 +8,8 @@ with the unpruned model on the same batches:
 * KL: the mean KL(unpruned || pruned) of the first answer token's distribution, a graded version of
   the same question that also sees changes below the arg-max;
 * speed-up: the unpruned language-model prefill time over the pruned one, each the median of repeated
-  timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency protocol times the language
-  model without the vision tower; ``priortr.bench``);
+  timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency
+  protocol times the language model without the vision tower; ``priortr.bench``);
 * FLOPs share: the pruned language-model prefill FLOPs over the unpruned, from the stages the engine
   ran (``priortr.flops``).
 
@@ -441,9 +441,9 @@ class Calibration:
         chosen = {m.setting.key for m in self.recommendations().values() if m is not None}
         lines = [
             f"Model `{self.model}`, data `{self.data}` ({len(self.prompt_ids)} prompts, answers of up to "
-            f"{self.tokens} tokens); unpruned LM prefill {self.reference.lm_prefill_ms:.1f} ms (first prompt, "
-            f"median). Target agreement {self.target:.2f}. P: on the Pareto front (agreement vs speed-up); "
-            "R: recommended for its method.",
+            f"{self.tokens} tokens); unpruned LM prefill {self.reference.lm_prefill_ms:.1f} ms "
+            f"(first prompt, median). Target agreement {self.target:.2f}. P: on the Pareto front "
+            "(agreement vs speed-up); R: recommended for its method.",
             "",
             "| method | layer | K | agreement | KL (nats) | LM prefill ms | speed-up | FLOPs | kept | |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",

@@ -289,21 +289,32 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The trained testbed on a held-out scene: the answers of the full model, FastV and PriorTR at a tight
-    budget, and a PNG of prior, posterior, score and kept tokens."""
+    """The trained testbed on a fixed set of held-out scenes at the setting its calibration chose: per
+    method (full model, FastV, PriorTR) the answers right, the agreement with the full model and the
+    measured LM prefill time; then a PNG of prior, posterior, score and kept tokens for one question."""
     from priortr.testbed import demo
 
     start = time.perf_counter()
+    chosen = demo.setting(args.config, args.layer, args.budget)
+    layer, budget = chosen["layer"], chosen["budget"]
     model, processor = demo.load()
+    samples = demo.demo_samples()
+    source = args.config or f"calibrated on scenes-train, {demo.CALIBRATED.name}"
+    print(
+        f"{len(samples)} held-out scenes (seeded generator), one question each; layer {layer}, "
+        f"K = {budget} of {model.config.image_seq_length} visual tokens ({source})"
+    )
+    rows = demo.compare(model, processor, samples, budget, layer)
+    base = rows[0].lm_prefill_ms
+    print(f"  {'method':<8} {'right':>7} {'agrees':>7} {'LM prefill':>11} {'speed-up':>9}")
+    for row in rows:
+        print(
+            f"  {row.method:<8} {row.correct:>3}/{row.total:<3} {row.agreement:>7.0%} "
+            f"{row.lm_prefill_ms:>8.1f} ms {base / row.lm_prefill_ms:>8.2f}x"
+        )
     sample = demo.demo_sample()
-    image = sample.image()
-    print(f"scene {sample.image_id} (seeded generator); question: {sample.question}")
-    print(f"reference answer: {sample.answer}")
-    for reply in demo.run(model, processor, sample, image, args.budget, args.layer):
-        where = "all visual tokens" if reply.budget is None else f"K = {reply.kept}/{reply.visual}"
-        verdict = "correct" if reply.correct else "wrong"
-        print(f"  {reply.method:<8} ({where}): {reply.reply.strip()!r} [{verdict}]")
-    print(demo.figure(model, processor, sample, image, args.budget, args.layer, Path(args.out)))
+    print(f"maps for scene {sample.image_id}: {sample.question} (reference answer: {sample.answer})")
+    print(demo.figure(model, processor, sample, sample.image(), budget, layer, Path(args.out)))
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -487,8 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="the trained testbed: full model vs FastV vs PriorTR", description=cmd_demo.__doc__
     )
-    demo.add_argument("--budget", type=int, default=32, help="visual tokens kept of 576")
-    demo.add_argument("--layer", type=int, default=2, help=LAYER_HELP)
+    demo.add_argument("--budget", type=int, help="visual tokens kept of 576 (default: the calibrated one)")
+    demo.add_argument(
+        "--layer", type=int, help="0-indexed scored decoder layer (default: the calibrated one)"
+    )
+    demo.add_argument("--config", help=CONFIG_HELP + "; its layer and budget replace the calibrated ones")
     demo.add_argument("--out", default="priortr-demo.png", help="path of the PNG to write")
     demo.set_defaults(func=cmd_demo)
 
