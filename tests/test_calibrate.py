@@ -256,3 +256,27 @@ def test_empty_grid_is_a_clear_error() -> None:
         calibrate.grid(["fastv"], [2], [])
     with pytest.raises(ValueError, match="unknown method"):
         calibrate.grid(["nomethod"], [2], [64])
+
+
+def test_demo_compares_methods_on_held_out_scenes(loaded) -> None:
+    from priortr.testbed import demo
+
+    model, processor = loaded
+    samples = demo.demo_samples()[:3]
+    assert [s.image_id for s in samples] == ["test/400", "test/401", "test/402"]
+    rows = demo.compare(model, processor, samples, budget=LLAVA_N_VISUAL, layer=1)
+    assert [row.method for row in rows] == ["vanilla", "fastv", "priortr"]
+    # every token kept: each method answers exactly as the full model does
+    assert all(row.agreement == 1.0 and row.correct == rows[0].correct for row in rows)
+    tight = demo.compare(model, processor, samples, budget=1, layer=1)
+    assert [row.mean_kept for row in tight] == [LLAVA_N_VISUAL, 1, 1]
+
+
+def test_the_shipped_testbed_setting_is_a_valid_config(loaded) -> None:
+    from priortr.testbed import demo
+
+    stored = read_config(demo.CALIBRATED)
+    assert demo.setting() == {"layer": stored["layer"], "budget": stored["budget"]}
+    assert demo.setting(layer=2, budget=32) == {"layer": 2, "budget": 32}
+    metadata = json.loads(demo.CALIBRATED.read_text())["calibration"]
+    assert metadata["data"] == "scenes-train"  # chosen on training scenes, never on test questions
