@@ -88,6 +88,10 @@ def test_every_token_kept_is_exact_agreement_and_zero_kl(loaded, folder: Path, t
     for method, chosen in result.recommendations().items():
         passing = [m for m in result.measurements if m.method == method and m.agreement >= result.target]
         assert chosen is not None and chosen.speedup == max(m.speedup for m in passing)
+    by_flops = replace(result, rank_by="flops").recommendations()
+    for method, chosen in by_flops.items():
+        passing = [m for m in result.measurements if m.method == method and m.agreement >= result.target]
+        assert chosen.flops_share == min(m.flops_share for m in passing)
 
 
 def test_kl_and_flops_match_a_hand_computation(loaded, folder: Path, tmp_path: Path) -> None:

@@ -391,20 +391,27 @@ class Calibration:
     tokens: int
     reference: Reference
     measurements: list[Measurement]
+    rank_by: str = "speedup"
+
+    def _speed(self, m: Measurement) -> tuple[float, float]:
+        """Faster first: by measured speed-up (FLOPs breaking ties), or by FLOPs alone where timings
+        are not to be trusted (a shared machine)."""
+        if self.rank_by == "flops":
+            return (-m.flops_share, m.speedup)
+        return (m.speedup, -m.flops_share)
 
     def recommendations(self) -> dict[str, Measurement | None]:
-        """Per method, the fastest configuration whose agreement reaches the target (None: none does).
-        Measured speed-up ranks first; the FLOPs share breaks ties."""
+        """Per method, the fastest configuration whose agreement reaches the target (None: none does)."""
         out: dict[str, Measurement | None] = {}
         for method in dict.fromkeys(m.method for m in self.measurements):
             passing = [m for m in self.measurements if m.method == method and m.agreement >= self.target]
-            out[method] = max(passing, key=lambda m: (m.speedup, -m.flops_share), default=None)
+            out[method] = max(passing, key=self._speed, default=None)
         return out
 
     def best(self) -> Measurement | None:
         """The fastest recommendation over all methods."""
         chosen = [m for m in self.recommendations().values() if m is not None]
-        return max(chosen, key=lambda m: (m.speedup, -m.flops_share), default=None)
+        return max(chosen, key=self._speed, default=None)
 
     def pareto(self) -> list[Measurement]:
         """Configurations no other beats in both agreement and measured speed-up."""
@@ -428,6 +435,7 @@ class Calibration:
             "prompts": self.prompt_ids,
             "answer_tokens": self.tokens,
             "target": self.target,
+            "rank_by": self.rank_by,
             "unpruned": {"lm_prefill_ms": self.reference.lm_prefill_ms, "replies": self.reference.replies},
             "recommended": recommended,
             "measurements": [
@@ -455,7 +463,8 @@ class Calibration:
                 f"{m.kl:.4f} | {m.lm_prefill_ms:.1f} | {m.speedup:.2f}x | {m.flops_share:.3f} | "
                 f"{m.mean_kept:.0f} | {marks} |"
             )
-        lines += ["", "Recommended (fastest configuration with agreement >= target):", ""]
+        speed = "measured speed-up" if self.rank_by == "speedup" else "FLOPs share"
+        lines += ["", f"Recommended (fastest by {speed} with agreement >= target):", ""]
         for method, m in self.recommendations().items():
             if m is None:
                 top = max((x for x in self.measurements if x.method == method), key=lambda x: x.agreement)
@@ -540,6 +549,7 @@ class Calibration:
             "data": self.data,
             "prompts": len(self.prompt_ids),
             "target": self.target,
+            "rank_by": self.rank_by,
             "agreement": round(m.agreement, 4),
             "kl": round(m.kl, 5),
             "speedup": round(m.speedup, 3),
@@ -561,6 +571,7 @@ def calibrate(
     batch_size: int = 8,
     warmup: int = 1,
     repeats: int = 5,
+    rank_by: str = "speedup",
     progress: bool = True,
 ) -> Calibration:
     """Measure every setting not already in ``out``'s cache and return the whole grid's result."""
@@ -572,6 +583,8 @@ def calibrate(
         raise ValueError("no prompts to calibrate on")
     if not 0 < target <= 1:
         raise ValueError(f"--target is an agreement in (0, 1]; got {target}")
+    if rank_by not in ("speedup", "flops"):
+        raise ValueError(f"rank_by must be speedup or flops; got {rank_by!r}")
     out = Path(out)
     cache = Cache(out, fingerprint(model_name, model, prompts, tokens, batch_size))
     todo = [s for s in settings if s.key not in cache.measurements]

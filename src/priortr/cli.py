@@ -300,6 +300,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model, processor = demo.load()
     samples = demo.demo_samples()
     source = args.config or f"calibrated on scenes-train, {demo.CALIBRATED.name}"
+    if args.layer is not None or args.budget is not None:
+        source = f"--layer/--budget over {source}"
     print(
         f"{len(samples)} held-out scenes (seeded generator), one question each; layer {layer}, "
         f"K = {budget} of {model.config.image_seq_length} visual tokens ({source})"
@@ -369,6 +371,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         warmup=args.warmup,
         repeats=args.repeats,
+        rank_by=args.rank_by,
     )
     paths = result.write(args.out)
     print(result.to_markdown(), end="")
@@ -543,6 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--layers", type=int, nargs="+", default=[2], help="scored layers of one-layer methods")
     cal.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64, 32])
     cal.add_argument("--target", type=float, default=0.95, help="agreement a recommendation must reach")
+    cal.add_argument(
+        "--rank-by",
+        choices=["speedup", "flops"],
+        default="speedup",
+        help="what fastest means: measured speed-up, or FLOPs share where timings are noisy",
+    )
     cal.add_argument("--tokens", type=int, default=4, help="answer tokens compared for agreement")
     cal.add_argument("--batch-size", type=int, default=8)
     cal.add_argument(
