@@ -111,9 +111,20 @@ def main() -> None:
     args = parser.parse_args()
     train = json.loads((args.train / "calibration.json").read_text())
     target = train["target"]
-    recommended = {method: key for method, key in train["recommended"].items()}
+    recommended = dict(train["recommended"])
+    faithful = {  # where no configuration reaches the target: the one closest to it on training prompts
+        method: max(
+            (m for m in train["measurements"] if m["method"] == method), key=lambda m: m["agreement"]
+        )["key"]
+        for method in recommended
+    }
     tests = {}
-    summary: dict = {"target": target, "recommended_on_train": recommended, "tests": {}}
+    summary: dict = {
+        "target": target,
+        "recommended_on_train": recommended,
+        "most_faithful_on_train": faithful,
+        "tests": {},
+    }
     for folder in args.test:
         document = scored(folder)
         tests[document["data"]] = document
@@ -135,10 +146,13 @@ def main() -> None:
         for method in dict.fromkeys(m["method"] for m in grid):
             mine = [m for m in grid if m["method"] == method]
             chosen = by_key.get(recommended.get(method) or "")
+            closest = by_key.get(faithful[method])
             hindsight = fastest(mine, target * base)
             rows["per_method"][method] = {
                 "recommended": label(chosen),
                 "recommended_accuracy": None if chosen is None else chosen["accuracy"],
+                "most_faithful_on_train": label(closest),
+                "most_faithful_on_train_accuracy": None if closest is None else closest["accuracy"],
                 "hindsight_same_rule": label(hindsight),
                 "hindsight_accuracy": None if hindsight is None else hindsight["accuracy"],
                 "most_accurate": label(max(mine, key=lambda m: m["accuracy"])),
