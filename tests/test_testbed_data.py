@@ -114,7 +114,14 @@ def test_easy_vqa_test_split_is_the_package_test_set():
 
 def test_unknown_split_names_the_choices():
     with pytest.raises(ValueError, match="scenes-test"):
-        data.load_split("scenes-train")
+        data.load_split("scenes-valid")
+
+
+def test_scenes_train_is_training_scenes_only_for_calibration():
+    split = data.load_split("scenes-train", limit=12)
+    assert {s.image_id.split("/")[0] for s in split} == {"train"}
+    assert split == data.load_split("scenes-train", limit=12)
+    assert set(Counter(s.kind for s in split)) == set(scenes.QUESTION_KINDS)
 
 
 @pytest.mark.parametrize("split", ["train", "test"])

@@ -77,9 +77,9 @@ def test_demo_and_eval_commands(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(assemble, "cache_root", lambda: checkpoint.parent)
     assert cli.main(["demo", "--out", str(tmp_path / "demo.png")]) == 0
     out = capsys.readouterr().out
-    assert (
-        "question:" in out and "priortr" in out and "fastv" in out and (tmp_path / "demo.png").stat().st_size
-    )
+    table = out.split("maps for scene")[0]
+    assert "calibrated.json" in table and "agrees" in table and (tmp_path / "demo.png").stat().st_size
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["vanilla", "fastv", "priortr"]
     argv = [
         "eval",
         "--split",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from os import PathLike
 from typing import Any
 
 from torch import nn
 
+from priortr import config_file
 from priortr.adapters import adapter_for
 from priortr.engine import (
     BEFORE_LLM,
@@ -83,6 +85,7 @@ def apply(
     multi_image: str = "per_image",
     strict: bool = False,
     seed: int = 0,
+    config: str | PathLike[str] | None = None,
 ) -> PruningHandle:
     """Prune visual tokens of ``model`` in every prefill from now on.
 
@@ -112,7 +115,12 @@ def apply(
             together under one budget; ``priortr.pools``).
         strict: raise instead of warning when a prompt has nothing to prune.
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
+        config: a config file (``priortr.config_file``, written by ``priortr calibrate``) whose keywords
+            replace the defaults above; a keyword passed here and set differently in the file is refused.
     """
+    if config is not None:
+        given = {name: value for name, value in locals().items() if name not in ("model", "config")}
+        return apply(model, **config_file.merge(config, given))
     adapter = adapter_for(model)
     try:
         n_layers = len(adapter.decoder_layers(model))

@@ -60,14 +60,35 @@ def parse_stage(text: str) -> tuple[int, int | float]:
 
 
 def pruning_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``priortr.apply`` keywords shared by the commands that prune."""
-    return {
+    """The ``priortr.apply`` keywords shared by the commands that prune; with ``--config``, the file's
+    (``priortr.apply`` refuses a flag that the file sets differently)."""
+    arguments = {
         "method": args.method,
         "budget": args.budget,
         "layer": args.layer,
         "stages": args.stages,
         "options": dict(args.option or []),
     }
+    return {**arguments, "config": args.config} if args.config else arguments
+
+
+def config_setting(
+    args: argparse.Namespace, command: str, keys: tuple[str, ...] = ("method", "budget", "layer", "options")
+) -> dict[str, Any]:
+    """The ``--config`` file's ``keys`` (defaults filled in), for commands that pass only those to
+    ``priortr.apply``; a file that sets any other keyword is refused rather than half-applied. The
+    values themselves are checked by ``priortr.apply`` when the command prunes."""
+    from priortr.config_file import apply_defaults, read_config
+
+    stored = read_config(args.config)
+    defaults = apply_defaults()
+    extra = sorted(name for name, value in stored.items() if name not in keys and value != defaults[name])
+    if extra:
+        raise ValueError(
+            f"priortr {command} takes only {', '.join(keys)} from a config, and {args.config!r} also sets "
+            f"{', '.join(extra)}: use `priortr generate` or priortr.apply(model, config=...) for it"
+        )
+    return {name: stored.get(name, defaults[name]) for name in keys}
 
 
 class PrefillTimer:
@@ -170,6 +191,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
         result = flops.paper_reproduction()
         print(json.dumps(result) if args.json else flops.format_paper_table(result))
         return 0
+    if args.config:
+        setting = config_setting(args, "flops", ("method", "budget", "layer"))
+        args.methods, args.budgets = [setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     report = flops.flops_report(
         args.model,
         args.budgets,
@@ -192,6 +217,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from priortr import bench
     from priortr.journal import Journal
 
+    if args.config:
+        setting = config_setting(args, "bench")
+        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer, args.option = setting["layer"], list(setting["options"].items())
     out = Path(args.out)
     settings = {
         key: getattr(args, key)
@@ -238,6 +267,10 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
+    if args.config:
+        setting = config_setting(args, "viz", ("method", "budget", "layer"))
+        args.method, args.budgets = setting["method"], [setting["budget"]]
+        args.layers = args.layers if setting["layer"] is None else [setting["layer"]]
     processor, model = load(args.source, args.dtype, args.device)
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
@@ -253,8 +286,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The trained testbed on a held-out scene: the answers of the full model, FastV and PriorTR at a tight
-    budget, and a PNG of prior, posterior, score and kept tokens."""
+    """The trained testbed on a fixed set of held-out scenes at the setting its calibration chose: per
+    method (full model, FastV, PriorTR) the answers right, the agreement with the full model and the
+    measured LM prefill time; then a PNG of prior, posterior, score and kept tokens for one question."""
     from priortr.testbed import demo
 
     sample = demo.demo_sample()
@@ -264,14 +298,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"{args.save_image}: scene {sample.image_id}, e.g. --prompt {sample.question!r}")
         return 0
     start = time.perf_counter()
+    chosen = demo.setting(args.config, args.layer, args.budget)
+    layer, budget = chosen["layer"], chosen["budget"]
     model, processor = demo.load()
-    print(f"scene {sample.image_id} (seeded generator); question: {sample.question}")
-    print(f"reference answer: {sample.answer}")
-    for reply in demo.run(model, processor, sample, image, args.budget, args.layer):
-        where = "all visual tokens" if reply.budget is None else f"K = {reply.kept}/{reply.visual}"
-        verdict = "correct" if reply.correct else "wrong"
-        print(f"  {reply.method:<8} ({where}): {reply.reply.strip()!r} [{verdict}]")
-    print(demo.figure(model, processor, sample, image, args.budget, args.layer, Path(args.out)))
+    samples = demo.demo_samples()
+    source = args.config or f"calibrated on scenes-train, {demo.CALIBRATED.name}"
+    if args.layer is not None or args.budget is not None:
+        source = f"--layer/--budget over {source}"
+    print(
+        f"{len(samples)} held-out scenes (seeded generator), one question each; layer {layer}, "
+        f"K = {budget} of {model.config.image_seq_length} visual tokens ({source})"
+    )
+    rows = demo.compare(model, processor, samples, budget, layer)
+    base = rows[0].lm_prefill_ms
+    print(f"  {'method':<8} {'right':>7} {'agrees':>7} {'LM prefill':>11} {'speed-up':>9}")
+    for row in rows:
+        print(
+            f"  {row.method:<8} {row.correct:>3}/{row.total:<3} {row.agreement:>7.0%} "
+            f"{row.lm_prefill_ms:>8.1f} ms {base / row.lm_prefill_ms:>8.2f}x"
+        )
+    sample = demo.demo_sample()
+    print(f"maps for scene {sample.image_id}: {sample.question} (reference answer: {sample.answer})")
+    print(demo.figure(model, processor, sample, sample.image(), budget, layer, Path(args.out)))
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -283,6 +331,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from priortr.journal import Journal
     from priortr.testbed import data, evaluate
 
+    if args.config:
+        setting = config_setting(args, "eval", ("method", "budget", "layer"))
+        args.methods, args.budgets = [evaluate.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     samples = data.load_split(args.split, args.limit)
     settings = {"split": args.split, "limit": args.limit, "model": args.model, "layer": args.layer}
     settings["dtype"] = args.dtype
@@ -313,6 +365,37 @@ def finished_so_far(table: Callable[[], str], journal: Path) -> Iterator[None]:
         raise
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Without labels, how faithful each method x layer x budget stays to the unpruned model on your
+    prompts (answer agreement, first-token KL) and what it saves (measured LM prefill speed-up, FLOPs);
+    recommends per method the fastest configuration reaching --target and writes it as a config file."""
+    from priortr import calibrate
+
+    prompts = calibrate.load_prompts(args.data, args.limit)  # before the (slow) model load
+    settings = calibrate.grid(args.methods, args.layers, args.budgets)
+    processor, model = load(args.source, args.dtype, args.device)
+    result = calibrate.calibrate(
+        model,
+        processor,
+        prompts,
+        settings,
+        args.out,
+        model_name=args.model,
+        data_name=args.data,
+        target=args.target,
+        tokens=args.tokens,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        rank_by=args.rank_by,
+    )
+    paths = result.write(args.out)
+    print(result.to_markdown(), end="")
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """The paper's table from lmms-eval result folders: a row per (model, budget, method), a column per
     benchmark in its own metric, and Avg %: the mean of score / baseline (unpruned) score, x 100."""
@@ -326,6 +409,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
+CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -383,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", type=parse_budget, help="kept tokens: count, or ratio in (0, 1) (default 64)"
     )
     add_layer_arguments(gen)
+    gen.add_argument("--config", help=CONFIG_HELP + "; flags it sets differently are refused")
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--no-prune", action="store_true", help="run the stock model, for comparison")
     gen.set_defaults(func=cmd_generate)
@@ -405,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fl.add_argument("--exact", action="store_true", help="count grouped-query K/V projections exactly")
     fl.add_argument("--paper", action="store_true", help="reproduce the paper's FLOPs column instead")
+    fl.add_argument("--config", help=CONFIG_HELP + "; replaces --methods, --budgets and --layer")
     fl.add_argument("--json", action="store_true", help="print one JSON document")
     fl.set_defaults(func=cmd_flops)
 
@@ -444,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="bench-out", help="folder for bench.jsonl (each measurement), bench.json, .md, .png"
     )
     bench.add_argument("--resume", action="store_true", help="continue the run recorded in --out")
+    bench.add_argument("--config", help=CONFIG_HELP + "; vanilla against it, replacing the grid flags")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     bench.set_defaults(func=cmd_bench)
 
@@ -462,14 +549,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[64],
         help="kept tokens: counts or ratios, a row each",
     )
+    viz.add_argument("--config", help=CONFIG_HELP + "; replaces --method, --budgets and --layers")
     viz.add_argument("--out", required=True, help="path of the PNG to write (.png added if no suffix)")
     viz.set_defaults(func=cmd_viz)
 
     demo = commands.add_parser(
         "demo", help="the trained testbed: full model vs FastV vs PriorTR", description=cmd_demo.__doc__
     )
-    demo.add_argument("--budget", type=positive_int, default=32, help="visual tokens kept of 576")
-    demo.add_argument("--layer", type=nonnegative_int, default=2, help=LAYER_HELP)
+    demo.add_argument(
+        "--budget", type=positive_int, help="visual tokens kept of 576 (default: the calibrated one)"
+    )
+    demo.add_argument(
+        "--layer", type=nonnegative_int, help="0-indexed scored decoder layer (default: the calibrated one)"
+    )
+    demo.add_argument("--config", help=CONFIG_HELP + "; its layer and budget replace the calibrated ones")
     demo.add_argument("--out", default="priortr-demo.png", help="path of the PNG to write")
     demo.add_argument(
         "--save-image", metavar="PATH", help="only save the demo's scene image (to try generate and viz on)"
@@ -494,11 +587,54 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=positive_int, default=8)
     ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ev.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ev.add_argument("--config", help=CONFIG_HELP + "; vanilla against it, replacing the grid flags")
     ev.add_argument(
         "--out", default="eval-out", help="folder for <split>.samples.jsonl (every answer), .json, .md, .png"
     )
     ev.add_argument("--resume", action="store_true", help="continue the run recorded in --out")
     ev.set_defaults(func=cmd_eval)
+
+    cal = commands.add_parser(
+        "calibrate",
+        help="label-free: which method, layer and budget keep this model's answers",
+        description=cmd_calibrate.__doc__,
+    )
+    cal.add_argument("--model", required=True, help=f"hub id, local checkpoint directory, or {TESTBED}")
+    cal.add_argument(
+        "--data",
+        required=True,
+        help=f'a folder holding prompts.jsonl (lines {{"image": PATH, "prompt": TEXT}}, paths relative to '
+        f"the folder), or a testbed split: {', '.join(data.SPLITS)}",
+    )
+    cal.add_argument(
+        "--limit", type=positive_int, help="the first N prompts of a folder, a fixed subset of a split"
+    )
+    cal.add_argument(
+        "--methods", nargs="+", default=["fastv", "priortr"], help="methods of `priortr methods`"
+    )
+    cal.add_argument(
+        "--layers", type=nonnegative_int, nargs="+", default=[2], help="scored layers of one-layer methods"
+    )
+    cal.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64, 32])
+    cal.add_argument("--target", type=float, default=0.95, help="agreement a recommendation must reach")
+    cal.add_argument(
+        "--rank-by",
+        choices=["speedup", "flops"],
+        default="speedup",
+        help="what fastest means: measured speed-up, or FLOPs share where timings are noisy",
+    )
+    cal.add_argument("--tokens", type=positive_int, default=4, help="answer tokens compared for agreement")
+    cal.add_argument("--batch-size", type=positive_int, default=8)
+    cal.add_argument(
+        "--warmup", type=nonnegative_int, default=1, help="untimed prefills before timing each configuration"
+    )
+    cal.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed prefills per configuration (median)"
+    )
+    cal.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cal.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the checkpoint's")
+    cal.add_argument("--out", default="calibration", help="folder for results, configs and the cache")
+    cal.set_defaults(func=cmd_calibrate)
 
     rep = commands.add_parser(
         "report", help="the paper's table from lmms-eval results", description=cmd_report.__doc__

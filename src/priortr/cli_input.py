@@ -329,15 +329,31 @@ def check_bench(args: argparse.Namespace) -> None:
 
 
 def check_demo(args: argparse.Namespace) -> None:
+    from priortr.testbed import demo
     from priortr.testbed.assemble import checkpoint
 
     if args.save_image is not None:  # only the scene image: no model
         args.save_image = output_file(args.save_image, "--save-image", (".png", ".jpg"))
         return
     args.out = output_file(args.out)
+    chosen = demo.setting(args.config, args.layer, args.budget)
     model = skeleton(model_config(str(checkpoint())))
-    for method in ("fastv", "priortr"):
-        check_pruning(model, method=method, budget=args.budget, layer=args.layer)
+    for method in demo.METHODS:
+        check_pruning(model, method=method, budget=chosen["budget"], layer=chosen["layer"])
+
+
+def check_calibrate(args: argparse.Namespace) -> None:
+    from priortr import calibrate
+
+    distinct("--methods", args.methods)
+    distinct("--layers", args.layers)
+    distinct("--budgets", args.budgets)
+    if not 0.0 < args.target <= 1.0:
+        raise ValueError(f"--target {args.target}: an agreement share in (0, 1], e.g. 0.95")
+    args.device = str(check_device(args.device))
+    args.out = output_directory(args.out)
+    args.source = model_source(args.model)
+    calibrate.grid(args.methods, args.layers, args.budgets)
 
 
 def check_report(args: argparse.Namespace) -> None:
@@ -356,6 +372,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "eval": check_eval,
     "bench": check_bench,
     "demo": check_demo,
+    "calibrate": check_calibrate,
     "report": check_report,
     "flops": check_flops,
 }

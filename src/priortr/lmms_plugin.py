@@ -181,6 +181,8 @@ class PriorTRLMMs(lmms):
         batch_size: requests per forward / generate call (lmms-eval's ``--batch_size``).
         max_new_tokens: generation length when a task does not set one (lmms-eval's llava_hf: 1024).
         heads, posterior_rows: passed to ``priortr.apply``.
+        config: a config file of ``priortr.apply`` keywords (``priortr calibrate``'s ``recommended.json``);
+            its settings replace the defaults of the arguments above, and one set differently is refused.
         attn_implementation: passed to ``from_pretrained`` (``sdpa``, ``eager``...).
     """
 
@@ -200,6 +202,7 @@ class PriorTRLMMs(lmms):
         heads: str = "mean",
         posterior_rows: str = "after_separator",
         attn_implementation: str | None = None,
+        config: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -250,7 +253,14 @@ class PriorTRLMMs(lmms):
             "heads": heads,
             "posterior_rows": posterior_rows,
         }
+        if config:
+            self._apply_kwargs["config"] = config
         self.handle = priortr.apply(self.model, **self._apply_kwargs)
+        method, self.budget, layer = (
+            self.handle.config.method.name,
+            self.handle.config.budget,
+            self.handle.config.layer,
+        )
         self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
         where = f"device_map={device_map}" if device_map else str(self.device)
         if self.world_size > 1:

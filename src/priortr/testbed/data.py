@@ -3,7 +3,8 @@
 A split is a fixed, ordered list of ``Sample`` s, so an accuracy is always over the same questions:
 ``scenes-test`` takes one question from each of the first 400 held-out scenes, cycling through the
 question kinds (100 of each); ``easy-vqa-test`` is easy-VQA's own test set (9,673 questions over
-1,000 images, never used in training). The training splits are only read by ``priortr.testbed.train``.
+1,000 images, never used in training). ``scenes-train`` does the same as ``scenes-test`` over the first
+400 training scenes, for ``priortr calibrate``, which must never choose a setting on test questions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from PIL import Image
 from priortr.testbed import scenes
 
 SCENE_TEST_SIZE = 400
-SPLITS = ("scenes-test", "easy-vqa-test")
+SPLITS = ("scenes-test", "easy-vqa-test", "scenes-train")
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,12 @@ def easy_vqa_samples(split: str) -> list[Sample]:
     ]
 
 
-def scenes_test() -> list[Sample]:
+def scenes_test(split: str = "test") -> list[Sample]:
+    """One question of each of the first 400 scenes of ``split``, the kinds in turn."""
     out = []
     for index in range(SCENE_TEST_SIZE):
         kind = scenes.QUESTION_KINDS[index % len(scenes.QUESTION_KINDS)]
-        out.append(next(s for s in scene_samples("test", index) if s.kind == kind))
+        out.append(next(s for s in scene_samples(split, index) if s.kind == kind))
     return out
 
 
@@ -101,6 +103,8 @@ def load_split(name: str, limit: int | None = None) -> list[Sample]:
     every run and machine)."""
     if name == "scenes-test":
         samples = scenes_test()
+    elif name == "scenes-train":
+        samples = scenes_test("train")
     elif name == "easy-vqa-test":
         samples = easy_vqa_samples("test")
     else:

@@ -1,39 +1,51 @@
-"""``priortr demo``: the trained testbed on one held-out scene, unpruned, under FastV and under PriorTR.
+"""``priortr demo``: the trained testbed on a fixed set of held-out scenes, unpruned, under FastV and
+under PriorTR, at the setting the testbed's own calibration chose.
 
-Offline by construction: the scene is rendered by the seeded generator, the model is assembled from
-installed packages (``assemble.checkpoint``). The question asks about a small object while large striped
-shapes dominate the image, the setting where raw attention and prior-corrected attention can disagree
-(paper, section 4); the PNG shows Q, P, S and the kept tokens of both methods.
+The setting comes from ``calibrated.json`` beside this module: ``priortr calibrate`` run on the training
+scenes (never on test questions, docs/calibration.md) recommended it. Per method the demo reports how
+many of ``DEMO_SIZE`` held-out questions it answers right, how often its answer agrees with the full
+model's (the label-free signal calibration uses) and its measured language-model prefill time; then it
+draws Q, P, S and the kept tokens of both methods for one question (paper, section 4). Offline by
+construction: the scenes are rendered by the seeded generator, the model is assembled from installed
+packages (``assemble.checkpoint``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from priortr import viz
 from priortr.adapters import adapter_for
-from priortr.api import apply
-from priortr.testbed import assemble
+from priortr.calibrate import Calibrator, Prompt, Setting
+from priortr.config_file import read_config
+from priortr.testbed import assemble, scenes
 from priortr.testbed.data import Sample, scene_samples
-from priortr.testbed.evaluate import answer, is_correct
+from priortr.testbed.evaluate import is_correct
 
+CALIBRATED = Path(__file__).with_name("calibrated.json")
 DEMO_SCENE = ("test", 7)
 # The letter: the question kind the shipped model answers reliably (100/100, docs/accuracy.md).
 DEMO_KIND = "letter"
+# Held-out scenes past scenes-test's 400, so the demo never repeats a measured question.
+DEMO_FIRST, DEMO_SIZE = 400, 8
+METHODS = ("fastv", "priortr")
 
 
 @dataclass(frozen=True)
-class DemoReply:
+class Row:
+    """One method on the demo set."""
+
     method: str
-    budget: int | None
-    reply: str
-    kept: int
-    visual: int
-    correct: bool
+    correct: int
+    total: int
+    agreement: float
+    lm_prefill_ms: float
+    mean_kept: float
 
 
 def load(dtype: torch.dtype = torch.float32):
@@ -48,19 +60,41 @@ def demo_sample() -> Sample:
     return next(s for s in scene_samples(split, index) if s.kind == DEMO_KIND)
 
 
-def run(model, processor, sample: Sample, image, budget: int, layer: int, methods=("fastv", "priortr")):
-    """The replies of the stock model and of each method at ``budget``."""
-    replies = []
-    with torch.inference_mode():
-        reply = answer(model, processor, [(sample, image)], max_new_tokens=8)[0]
-        visual = int(model.config.image_seq_length)
-        replies.append(DemoReply("vanilla", None, reply, visual, visual, is_correct(sample, reply)))
-        for method in methods:
-            with apply(model, method=method, budget=budget, layer=layer, strict=True) as handle:
-                reply = answer(model, processor, [(sample, image)], max_new_tokens=8)[0]
-                kept = int((handle.last.kept[0] >= 0).sum())
-            replies.append(DemoReply(method, budget, reply, kept, visual, is_correct(sample, reply)))
-    return replies
+def setting(
+    config: str | Path | None = None, layer: int | None = None, budget: int | None = None
+) -> dict[str, Any]:
+    """The layer and budget to show: the calibrated config (or ``config``), then ``layer``/``budget``."""
+    stored = read_config(config or CALIBRATED)
+    return {
+        "layer": stored.get("layer") if layer is None else layer,
+        "budget": stored.get("budget") if budget is None else budget,
+    }
+
+
+def demo_samples() -> list[Sample]:
+    """``DEMO_SIZE`` held-out questions, one per scene, the question kinds in turn."""
+    kinds = scenes.QUESTION_KINDS
+    return [
+        next(s for s in scene_samples("test", index) if s.kind == kinds[index % len(kinds)])
+        for index in range(DEMO_FIRST, DEMO_FIRST + DEMO_SIZE)
+    ]
+
+
+def compare(model, processor, samples: list[Sample], budget: int, layer: int, methods=METHODS) -> list[Row]:
+    """Vanilla and each method at ``layer``/``budget`` on ``samples`` (one batch; timings of the first)."""
+    prompts = [Prompt(s.image_id, s.question, s.image) for s in samples]
+    calibrator = Calibrator(model, processor, prompts, tokens=4, batch_size=len(prompts), warmup=1, repeats=3)
+    reference = calibrator.reference()
+    n_visual = float(model.config.image_seq_length)
+
+    def right(replies: list[str]) -> int:
+        return sum(is_correct(sample, reply) for sample, reply in zip(samples, replies, strict=True))
+
+    rows = [Row("vanilla", right(reference.replies), len(samples), 1.0, reference.lm_prefill_ms, n_visual)]
+    for method in methods:
+        m = calibrator.measure(Setting(method, layer, budget), reference)
+        rows.append(Row(method, right(m.replies), len(samples), m.agreement, m.lm_prefill_ms, m.mean_kept))
+    return rows
 
 
 def figure(

@@ -1,0 +1,615 @@
+"""Which method, layer and budget keep a model's answers, and what they save: ``priortr calibrate``.
+
+Without labels, on the user's own prompts, every configuration (method x layer x budget) is compared
+with the unpruned model on the same batches:
+
+* agreement: the share of prompts whose greedy answer (its first ``tokens`` tokens, up to the end of
+  sequence) is identical to the unpruned model's;
+* KL: the mean KL(unpruned || pruned) of the first answer token's distribution, a graded version of
+  the same question that also sees changes below the arg-max;
+* speed-up: the unpruned language-model prefill time over the pruned one, each the median of repeated
+  timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency
+  protocol times the language model without the vision tower; ``priortr.bench``);
+* FLOPs share: the pruned language-model prefill FLOPs over the unpruned, from the stages the engine
+  ran (``priortr.flops``).
+
+Per method, the recommendation is the fastest configuration whose agreement reaches the target; it is
+written as a config file (``priortr.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
+``--config`` and the lmms-eval plug-in read. The unpruned answers are computed once per run and every
+measured configuration is cached in the output folder, so a re-run with a larger grid measures only
+what is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+
+from priortr.adapters import adapter_for
+from priortr.api import apply
+from priortr.bench import Clock, timing_hooks
+from priortr.config_file import write_config
+from priortr.flops import scheduled_prefill_flops
+from priortr.methods import get_method
+
+log = logging.getLogger(__name__)
+
+PROMPTS_FILE = "prompts.jsonl"
+CACHE_FILE = "calibration-cache.json"
+REFERENCE_FILE = "calibration-reference.pt"
+DEFAULT_TARGET = 0.95
+VANILLA = "vanilla"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One question about one image; ``load`` reads (or renders) the image."""
+
+    id: str
+    text: str
+    load: Callable[[], Image.Image] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration of the grid; ``layer`` is None for methods that take none."""
+
+    method: str
+    layer: int | None
+    budget: int | float
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}/L{'-' if self.layer is None else self.layer}/K{self.budget}"
+
+    @property
+    def label(self) -> str:
+        where = "" if self.layer is None else f" L{self.layer}"
+        return f"{self.method}{where} K={self.budget}"
+
+    def arguments(self) -> dict[str, Any]:
+        """``priortr.apply`` keywords."""
+        return {"method": self.method, "budget": self.budget, "layer": self.layer}
+
+
+@dataclass
+class Measurement:
+    """What one configuration did on every prompt, against the unpruned model."""
+
+    method: str
+    layer: int | None
+    budget: int | float
+    agreement: float
+    kl: float
+    lm_prefill_ms: float
+    speedup: float
+    flops_share: float
+    mean_kept: float
+    agree: list[bool]
+    kl_each: list[float]
+    replies: list[str]
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.method, self.layer, self.budget)
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+
+def folder_prompts(directory: str | Path) -> list[Prompt]:
+    """The prompts of a folder: ``prompts.jsonl`` holds one JSON object per line, ``{"image": PATH,
+    "prompt": TEXT}`` with PATH relative to the folder (an optional ``"id"`` names the line in outputs)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"--data {str(directory)!r} is not a folder (nor a built-in split)")
+    listing = directory / PROMPTS_FILE
+    if not listing.is_file():
+        raise ValueError(
+            f"--data folder {str(directory)!r} has no {PROMPTS_FILE}; write one JSON object per line, "
+            '{"image": "photo.jpg", "prompt": "What is on the table?"}, image paths relative to the folder'
+        )
+    prompts = []
+    for number, line in enumerate(listing.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{listing}, line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{where} needs a "prompt" string: {line.strip()[:80]}')
+        if not isinstance(record.get("image"), str):
+            raise ValueError(
+                f'{where} has no "image": every prompt needs an image file (a path relative to the folder), '
+                "since pruning acts on its visual tokens"
+            )
+        path = directory / record["image"]
+        if not path.is_file():
+            raise ValueError(f"{where}: image {str(path)!r} does not exist")
+        prompts.append(Prompt(str(record.get("id", number)), record["prompt"], _image_reader(path)))
+    if not prompts:
+        raise ValueError(f"{listing} holds no prompts")
+    return prompts
+
+
+def _image_reader(path: Path) -> Callable[[], Image.Image]:
+    def load() -> Image.Image:
+        try:
+            with Image.open(path) as image:
+                return image.convert("RGB")
+        except OSError as exc:
+            raise ValueError(f"cannot read image {str(path)!r}: {exc}") from exc
+
+    return load
+
+
+def split_prompts(name: str, limit: int | None) -> list[Prompt]:
+    """A named testbed split (``priortr.testbed.data``) as prompts; its reference answers are not read."""
+    from priortr.testbed.data import load_split
+
+    return [
+        Prompt(f"{sample.image_id}#{sample.kind}", sample.question, sample.image)
+        for sample in load_split(name, limit)
+    ]
+
+
+def load_prompts(data: str, limit: int | None = None) -> list[Prompt]:
+    """``data`` is a built-in split name or a folder with ``prompts.jsonl``; ``limit`` keeps the first
+    prompts of a folder, or a fixed seeded subset of a split."""
+    from priortr.testbed.data import SPLITS
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
+    if data in SPLITS:
+        return split_prompts(data, limit)
+    return folder_prompts(data)[:limit]
+
+
+def grid(methods: Sequence[str], layers: Sequence[int], budgets: Sequence[int | float]) -> list[Setting]:
+    """Every (method, layer, budget); a method that takes no layer appears once per budget."""
+    if not methods or not budgets or not layers:
+        empty = [
+            name
+            for name, values in (("methods", methods), ("layers", layers), ("budgets", budgets))
+            if not values
+        ]
+        raise ValueError(f"the grid is empty: give at least one value for {', '.join(empty)}")
+    settings = []
+    for method in methods:
+        takes_layer = get_method(method).where == "layer"
+        for layer in layers if takes_layer else [None]:
+            settings += [Setting(method, layer, budget) for budget in budgets]
+    return list(dict.fromkeys(settings))
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """The unpruned model's answers: per prompt, the answer tokens and the first token's log-probs."""
+
+    tokens: list[list[int]]
+    replies: list[str]
+    logprobs: torch.Tensor  # [N, V] float32
+    lm_prefill_ms: float
+
+
+class Calibrator:
+    """Runs a model over fixed batches of prompts, unpruned once and then under each configuration."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        processor: Any,
+        prompts: Sequence[Prompt],
+        tokens: int = 4,
+        batch_size: int = 8,
+        warmup: int = 1,
+        repeats: int = 5,
+        progress: Callable[[Iterable], Iterable] | None = None,
+    ) -> None:
+        if tokens < 1 or batch_size < 1 or warmup < 0 or repeats < 1:
+            raise ValueError("tokens, batch_size and repeats must be >= 1 and warmup >= 0")
+        self.model, self.processor, self.prompts = model, processor, list(prompts)
+        self.tokens, self.batch_size, self.warmup, self.repeats = tokens, batch_size, warmup, repeats
+        self.n_layers = len(adapter_for(model).decoder_layers(model))
+        self._progress = progress or (lambda items: items)
+        self._batches = [self.prompts[i : i + batch_size] for i in range(0, len(self.prompts), batch_size)]
+        self._timing_inputs = self._encode(self.prompts[:1])  # one prompt: the unbatched latency
+        eos = model.generation_config.eos_token_id
+        self._stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def _encode(self, batch: Sequence[Prompt]) -> dict[str, torch.Tensor]:
+        from priortr.testbed.evaluate import prompt_text
+
+        self.processor.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
+        return self.processor(
+            images=[prompt.load() for prompt in batch],
+            text=[prompt_text(self.processor, prompt.text) for prompt in batch],
+            padding=True,
+            return_tensors="pt",
+        ).to(self.model.device, dtype=self.model.dtype)
+
+    def _answer(self, inputs: dict[str, torch.Tensor]) -> tuple[list[list[int]], torch.Tensor]:
+        out = self.model.generate(
+            **inputs,
+            max_new_tokens=self.tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, inputs["input_ids"].shape[1] :].tolist()
+        return [self._cut(row) for row in new], torch.log_softmax(out.logits[0].float(), dim=-1)
+
+    def _cut(self, row: list[int]) -> list[int]:
+        for i, token in enumerate(row):
+            if token in self._stop:
+                return row[: i + 1]
+        return row
+
+    def _lm_prefill_ms(self) -> float:
+        """Median language-model prefill time of the first prompt, with whatever pruning is attached."""
+        clock = [Clock(self.model.device)]
+        times = []
+        with timing_hooks(self.model, clock, []), torch.inference_mode():
+            for step in range(self.warmup + self.repeats):
+                clock[0] = Clock(self.model.device)
+                self.model(**self._timing_inputs, use_cache=True, logits_to_keep=1)
+                if step >= self.warmup:
+                    times.append(clock[0].elapsed_ms("lm_start", "lm_end"))
+        return statistics.median(times)
+
+    def reference(self) -> Reference:
+        """The unpruned answers (computed once per run)."""
+        tokens, logprobs = [], []
+        with torch.inference_mode():
+            for batch in self._progress(self._batches):
+                answers, lp = self._answer(self._encode(batch))
+                tokens += answers
+                logprobs.append(lp)
+        replies = self.processor.batch_decode(tokens, skip_special_tokens=True)
+        return Reference(tokens, replies, torch.cat(logprobs), self._lm_prefill_ms())
+
+    def measure(self, setting: Setting, reference: Reference) -> Measurement:
+        """One configuration on every prompt, against ``reference``."""
+        agree, kl, replies, kept, flops, flops_full = [], [], [], [], 0, 0
+        image_token = self.model.config.image_token_id
+        with apply(self.model, **setting.arguments(), strict=True) as handle, torch.inference_mode():
+            start = 0
+            for batch in self._progress(self._batches):
+                inputs = self._encode(batch)
+                answers, lp = self._answer(inputs)
+                ref = reference.logprobs[start : start + len(batch)]
+                kl += (ref.exp() * (ref - lp)).sum(-1).clamp_min(0).tolist()
+                agree += [
+                    a == r for a, r in zip(answers, reference.tokens[start : start + len(batch)], strict=True)
+                ]
+                replies += self.processor.batch_decode(answers, skip_special_tokens=True)
+                kept += (handle.last.kept >= 0).sum(1).tolist()
+                n_visual = (inputs["input_ids"] == image_token).sum(1).tolist()
+                n_text = inputs["attention_mask"].sum(1).tolist()
+                for visual, total in zip(n_visual, n_text, strict=True):
+                    stages = handle.config.plan(visual, self.n_layers)
+                    flops += scheduled_prefill_flops(self.model.config, total - visual, visual, stages)
+                    flops_full += scheduled_prefill_flops(self.model.config, total - visual, visual, [])
+                start += len(batch)
+            ms = self._lm_prefill_ms()
+        return Measurement(
+            method=setting.method,
+            layer=setting.layer,
+            budget=setting.budget,
+            agreement=sum(agree) / len(agree),
+            kl=sum(kl) / len(kl),
+            lm_prefill_ms=ms,
+            speedup=reference.lm_prefill_ms / ms,
+            flops_share=flops / flops_full,
+            mean_kept=sum(kept) / len(kept),
+            agree=agree,
+            kl_each=kl,
+            replies=replies,
+        )
+
+
+# -- cache --------------------------------------------------------------------------------------------
+
+
+def fingerprint(
+    model_name: str, model: nn.Module, prompts: Sequence[Prompt], tokens: int, batch_size: int
+) -> str:
+    """What a cached measurement depends on: the model, its dtype and device, the prompts, the answer
+    length and the batching (padding changes the numbers a little)."""
+    text = json.dumps(
+        [
+            model_name,
+            str(model.dtype),
+            str(model.device),
+            [(p.id, p.text) for p in prompts],
+            tokens,
+            batch_size,
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Cache:
+    """Measured configurations and the unpruned answers in ``directory``, valid for one fingerprint."""
+
+    def __init__(self, directory: Path, key: str) -> None:
+        self.path, self.tensor_path, self.key = directory / CACHE_FILE, directory / REFERENCE_FILE, key
+        self.measurements: dict[str, Measurement] = {}
+        self.reference: Reference | None = None
+        if not self.path.is_file():
+            return
+        document = json.loads(self.path.read_text())
+        if document.get("fingerprint") != key:
+            log.warning("%s was measured on other prompts or another model; measuring afresh", self.path)
+            return
+        self.measurements = {
+            m["key"]: Measurement(**{k: v for k, v in m.items() if k != "key"})
+            for m in document["measurements"]
+        }
+        if document.get("reference") and self.tensor_path.is_file():
+            self.reference = Reference(
+                logprobs=torch.load(self.tensor_path, weights_only=True), **document["reference"]
+            )
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        reference = None
+        if self.reference is not None:
+            torch.save(self.reference.logprobs, self.tensor_path)
+            reference = {k: v for k, v in asdict(self.reference).items() if k != "logprobs"}
+        measurements = [{"key": m.setting.key, **asdict(m)} for m in self.measurements.values()]
+        document = {"fingerprint": self.key, "reference": reference, "measurements": measurements}
+        self.path.write_text(json.dumps(document) + "\n")
+
+
+# -- the result ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """Every measured configuration of one run, and what it recommends."""
+
+    model: str
+    data: str
+    prompt_ids: list[str]
+    target: float
+    tokens: int
+    reference: Reference
+    measurements: list[Measurement]
+    rank_by: str = "speedup"
+
+    def _speed(self, m: Measurement) -> tuple[float, float]:
+        """Faster first: by measured speed-up (FLOPs breaking ties), or by FLOPs alone where timings
+        are not to be trusted (a shared machine)."""
+        if self.rank_by == "flops":
+            return (-m.flops_share, m.speedup)
+        return (m.speedup, -m.flops_share)
+
+    def recommendations(self) -> dict[str, Measurement | None]:
+        """Per method, the fastest configuration whose agreement reaches the target (None: none does)."""
+        out: dict[str, Measurement | None] = {}
+        for method in dict.fromkeys(m.method for m in self.measurements):
+            passing = [m for m in self.measurements if m.method == method and m.agreement >= self.target]
+            out[method] = max(passing, key=self._speed, default=None)
+        return out
+
+    def best(self) -> Measurement | None:
+        """The fastest recommendation over all methods."""
+        chosen = [m for m in self.recommendations().values() if m is not None]
+        return max(chosen, key=self._speed, default=None)
+
+    def pareto(self) -> list[Measurement]:
+        """Configurations no other beats in both agreement and measured speed-up."""
+        return [
+            m
+            for m in self.measurements
+            if not any(
+                o.agreement >= m.agreement
+                and o.speedup >= m.speedup
+                and (o.agreement, o.speedup) != (m.agreement, m.speedup)
+                for o in self.measurements
+            )
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        front = {m.setting.key for m in self.pareto()}
+        recommended = {method: m.setting.key if m else None for method, m in self.recommendations().items()}
+        return {
+            "model": self.model,
+            "data": self.data,
+            "prompts": self.prompt_ids,
+            "answer_tokens": self.tokens,
+            "target": self.target,
+            "rank_by": self.rank_by,
+            "unpruned": {"lm_prefill_ms": self.reference.lm_prefill_ms, "replies": self.reference.replies},
+            "recommended": recommended,
+            "measurements": [
+                {"key": m.setting.key, "pareto": m.setting.key in front, **asdict(m)}
+                for m in self.measurements
+            ],
+        }
+
+    def to_markdown(self) -> str:
+        front = {m.setting.key for m in self.pareto()}
+        chosen = {m.setting.key for m in self.recommendations().values() if m is not None}
+        lines = [
+            f"Model `{self.model}`, data `{self.data}` ({len(self.prompt_ids)} prompts, answers of up to "
+            f"{self.tokens} tokens); unpruned LM prefill {self.reference.lm_prefill_ms:.1f} ms "
+            f"(first prompt, median). Target agreement {self.target:.2f}. P: on the Pareto front "
+            "(agreement vs speed-up); R: recommended for its method.",
+            "",
+            "| method | layer | K | agreement | KL (nats) | LM prefill ms | speed-up | FLOPs | kept | |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for m in sorted(self.measurements, key=lambda m: (m.method, m.layer or -1, -m.budget)):
+            marks = ("P" if m.setting.key in front else "") + ("R" if m.setting.key in chosen else "")
+            lines.append(
+                f"| {m.method} | {'-' if m.layer is None else m.layer} | {m.budget} | {m.agreement:.3f} | "
+                f"{m.kl:.4f} | {m.lm_prefill_ms:.1f} | {m.speedup:.2f}x | {m.flops_share:.3f} | "
+                f"{m.mean_kept:.0f} | {marks} |"
+            )
+        speed = "measured speed-up" if self.rank_by == "speedup" else "FLOPs share"
+        lines += ["", f"Recommended (fastest by {speed} with agreement >= target):", ""]
+        for method, m in self.recommendations().items():
+            if m is None:
+                top = max((x for x in self.measurements if x.method == method), key=lambda x: x.agreement)
+                lines.append(
+                    f"- {method}: none reaches {self.target:.2f} (most faithful: {top.setting.label}, "
+                    f"{top.agreement:.3f}); measure larger budgets or other layers"
+                )
+            else:
+                lines.append(
+                    f"- {method}: {m.setting.label}, agreement {m.agreement:.3f}, speed-up {m.speedup:.2f}x, "
+                    f"FLOPs share {m.flops_share:.3f} (`recommended-{method}.json`)"
+                )
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: str | Path) -> Path:
+        """Agreement against measured speed-up, one curve per method (and layer), the Pareto front marked."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7.2, 4.8))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        curves = dict.fromkeys((m.method, m.layer) for m in self.measurements)
+        for method, layer in curves:
+            points = sorted(
+                (m for m in self.measurements if (m.method, m.layer) == (method, layer)),
+                key=lambda m: -m.budget,
+            )
+            label = method if layer is None else f"{method} L{layer}"
+            ax.plot([m.speedup for m in points], [m.agreement for m in points], marker="o", label=label)
+        front = sorted(self.pareto(), key=lambda m: m.speedup)
+        ax.plot(
+            [m.speedup for m in front],
+            [m.agreement for m in front],
+            color="black",
+            linestyle="--",
+            marker="s",
+            markerfacecolor="none",
+            markersize=11,
+            label="Pareto front",
+        )
+        ax.axhline(self.target, color="grey", linewidth=1, linestyle=":", label=f"target {self.target:.2f}")
+        ax.set_xlabel("measured LM prefill speed-up (x)")
+        ax.set_ylabel("agreement with the unpruned model")
+        ax.set_title(f"{Path(self.model).name or self.model} on {self.data} ({len(self.prompt_ids)} prompts)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        return path
+
+    def write(self, directory: str | Path) -> list[Path]:
+        """``calibration.{json,md,png}``, and a ``recommended-<method>.json`` config per method that
+        reaches the target plus ``recommended.json``, the fastest of them."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = [directory / "calibration.json", directory / "calibration.md"]
+        paths[0].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        paths[1].write_text(self.to_markdown())
+        paths.append(self.plot(directory / "calibration.png"))
+        for path in directory.glob("recommended*.json"):
+            path.unlink()  # a recommendation of an earlier run must not outlive a run that makes none
+        for method, m in self.recommendations().items():
+            if m is not None:
+                paths.append(
+                    write_config(
+                        directory / f"recommended-{method}.json", m.setting.arguments(), self.record(m)
+                    )
+                )
+        best = self.best()
+        if best is not None:
+            paths.append(
+                write_config(directory / "recommended.json", best.setting.arguments(), self.record(best))
+            )
+        return paths
+
+    def record(self, m: Measurement) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "data": self.data,
+            "prompts": len(self.prompt_ids),
+            "target": self.target,
+            "rank_by": self.rank_by,
+            "agreement": round(m.agreement, 4),
+            "kl": round(m.kl, 5),
+            "speedup": round(m.speedup, 3),
+            "flops_share": round(m.flops_share, 4),
+        }
+
+
+def calibrate(
+    model: nn.Module,
+    processor: Any,
+    prompts: Sequence[Prompt],
+    settings: Sequence[Setting],
+    out: str | Path,
+    *,
+    model_name: str,
+    data_name: str,
+    target: float = DEFAULT_TARGET,
+    tokens: int = 4,
+    batch_size: int = 8,
+    warmup: int = 1,
+    repeats: int = 5,
+    rank_by: str = "speedup",
+    progress: bool = True,
+) -> Calibration:
+    """Measure every setting not already in ``out``'s cache and return the whole grid's result."""
+    from tqdm import tqdm
+
+    if not settings:
+        raise ValueError("the grid is empty: give at least one method, layer and budget")
+    if not prompts:
+        raise ValueError("no prompts to calibrate on")
+    if not 0 < target <= 1:
+        raise ValueError(f"--target is an agreement in (0, 1]; got {target}")
+    if rank_by not in ("speedup", "flops"):
+        raise ValueError(f"rank_by must be speedup or flops; got {rank_by!r}")
+    out = Path(out)
+    cache = Cache(out, fingerprint(model_name, model, prompts, tokens, batch_size))
+    todo = [s for s in settings if s.key not in cache.measurements]
+    steps = len(todo) + (cache.reference is None)
+    log.info("%d of %d configurations cached in %s", len(settings) - len(todo), len(settings), out)
+    bar = tqdm(
+        total=steps * -(-len(prompts) // batch_size), desc="calibrate", unit="batch", disable=not progress
+    )
+
+    def tick(batches: Iterable) -> Iterable:
+        for batch in batches:
+            yield batch
+            bar.update(1)
+
+    calibrator = Calibrator(model, processor, prompts, tokens, batch_size, warmup, repeats, tick)
+    if cache.reference is None:
+        bar.set_postfix_str("unpruned")
+        cache.reference = calibrator.reference()
+        cache.save()
+    for setting in todo:
+        bar.set_postfix_str(setting.label)
+        cache.measurements[setting.key] = calibrator.measure(setting, cache.reference)
+        cache.save()  # an interrupted run keeps what it measured
+    bar.close()
+    measured = [cache.measurements[s.key] for s in settings]
+    return Calibration(
+        model_name, data_name, [p.id for p in prompts], target, tokens, cache.reference, measured
+    )
