@@ -39,9 +39,9 @@ def test_one_image_reads_its_own_separator_and_the_rows_after_it():
     assert rows.posterior.tolist() == [False, False, False, True, True, False]
     assert rows.last == 4  # position 9
     # SparseVLM's rater candidates: the text from the separator on, whatever posterior_rows says.
-    assert rows.after_image.tolist() == [False, False, True, True, True, False]
+    assert rows.after.tolist() == [False, False, True, True, True, False]
     image_a = _pool([VisualItem(0, torch.tensor([1, 2]), 3)])
-    assert pool_rows(image_a, ROWS, WIDTH, "last").after_image.tolist() == [True] * 5 + [False]
+    assert pool_rows(image_a, ROWS, WIDTH, "last").after.tolist() == [True] * 5 + [False]
     assert pool_rows(image_b, ROWS, WIDTH, "from_separator").posterior.tolist() == [
         False,
         False,
@@ -109,7 +109,7 @@ def test_next_layer_attention_is_that_layers_own_attention(build, make_batch, sc
         rows = attentions[layer][0].mean(dim=0)[after][:, visual].mean(dim=0)
         return rows / rows.sum()
 
-    with priortr.apply(model, method="pdrop", budget=4, stages=[(scored, 4)]) as handle, torch.no_grad():
+    with priortr.apply(model, method="pdrop", stages=[(scored, 4)]) as handle, torch.no_grad():
         model(**batch.kwargs())
     torch.testing.assert_close(handle.last.posterior[0].double(), posterior(scored + 1), atol=1e-7, rtol=0)
     assert (handle.last.posterior[0].double() - posterior(scored)).abs().max() > 1e-5

@@ -42,7 +42,8 @@ SELECTIONS = [  # (family, method, budget, apply keywords): pure selections, so 
 @pytest.mark.parametrize(("family", "method", "budget", "extra"), SELECTIONS)
 def test_selections_match_staged_reference(family, method, budget, extra):
     model, batch = setup(family, 2)
-    with priortr.apply(model, method=method, budget=budget, **extra) as handle, torch.no_grad():
+    budget_kw = {} if "stages" in extra else {"budget": budget}  # stages set every stage's budget
+    with priortr.apply(model, method=method, **budget_kw, **extra) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits
         result = handle.last
         out = generate(model, batch)

@@ -87,11 +87,6 @@ def _merged(selection: Selection, hidden: torch.Tensor) -> torch.Tensor:
     return selection.merge @ hidden.float()
 
 
-def _count(name: str, budget: int) -> int:
-    """Tokens a method keeps at ``budget``: VisionZip's [CLS] takes one of the authors' K slots."""
-    return budget - 1 if name == "visionzip" else budget
-
-
 def _replace(inputs: StageInputs, **changes: object) -> StageInputs:
     fields = {name: getattr(inputs, name) for name in inputs.__dataclass_fields__}
     return StageInputs(**{**fields, **changes})
@@ -101,10 +96,11 @@ def _replace(inputs: StageInputs, **changes: object) -> StageInputs:
 
 
 def _count(name: str, budget: int, n_visual: int = 40) -> int:
-    """Survivors of a budget: K, or K plus the recycled clusters for SparseVLM's default (the authors')."""
+    """Survivors of a budget: K; K plus the recycled clusters for SparseVLM's default (the authors');
+    K - 1 for VisionZip, whose [CLS] takes one of the authors' K slots."""
     if name in ("sparsevlm", "sparsevlm_kmeans"):
         return budget + recycle_counts(n_visual - budget, 0.3, 10)[1]
-    return budget
+    return budget - 1 if name == "visionzip" else budget
 
 
 @pytest.mark.parametrize("name", METHODS)

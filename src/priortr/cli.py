@@ -371,13 +371,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     recommends per method the fastest configuration reaching --target and writes it as a config file."""
     from priortr import calibrate
 
-    prompts = calibrate.load_prompts(args.data, args.limit)  # before the (slow) model load
     settings = calibrate.grid(args.methods, args.layers, args.budgets)
     processor, model = load(args.source, args.dtype, args.device)
     result = calibrate.calibrate(
         model,
         processor,
-        prompts,
+        args.prompts,  # read by cli_input.check_calibrate, before the model load
         settings,
         args.out,
         model_name=args.model,

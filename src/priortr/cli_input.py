@@ -217,8 +217,6 @@ def _first_line(exc: BaseException) -> str:
 
 # -- each command's checks ----------------------------------------------------------------------------
 
-DEFAULT_BUDGET = 64
-
 
 def read_image(text: str) -> Any:
     """The ``--image`` file as RGB, read now so that a bad path fails before the model loads."""
@@ -255,8 +253,7 @@ def _one_image_model(args: argparse.Namespace) -> nn.Module:
 def check_generate(args: argparse.Namespace) -> None:
     _stages_conflict(args)
     model = _one_image_model(args)
-    if args.budget is None:
-        args.budget = DEFAULT_BUDGET
+    config = {"config": args.config} if args.config else {}
     check_pruning(
         model,
         method=args.method,
@@ -264,6 +261,7 @@ def check_generate(args: argparse.Namespace) -> None:
         layer=args.layer,
         stages=args.stages,
         options=dict(args.option or []),
+        **config,
     )
 
 
@@ -350,10 +348,11 @@ def check_calibrate(args: argparse.Namespace) -> None:
     distinct("--budgets", args.budgets)
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target {args.target}: an agreement share in (0, 1], e.g. 0.95")
+    calibrate.grid(args.methods, args.layers, args.budgets)
     args.device = str(check_device(args.device))
     args.out = output_directory(args.out)
+    args.prompts = calibrate.load_prompts(args.data, args.limit)
     args.source = model_source(args.model)
-    calibrate.grid(args.methods, args.layers, args.budgets)
 
 
 def check_report(args: argparse.Namespace) -> None:

@@ -146,7 +146,7 @@ def data_parallel_accelerator(device: str | None, device_map: str | None) -> Any
     return accelerator
 
 
-def _parse_budget(budget: int | float | str) -> int | float:
+def _parse_budget(budget: int | float | str | None) -> int | float | None:
     """lmms-eval hands ``budget=64`` over as int 64 and ``budget=0.25`` as float; accept strings too."""
     if isinstance(budget, str):
         text = budget.strip()
@@ -171,7 +171,7 @@ class PriorTRLMMs(lmms):
     Args:
         pretrained: hub id or local checkpoint directory of a model supported by priortr.
         method: any method of ``priortr methods``, default ``priortr``.
-        budget: kept visual tokens per image: int K, or a ratio in (0, 1). Default 64.
+        budget: kept visual tokens per image: int K, or a ratio in (0, 1). Default: apply's (64).
         layer: 0-indexed decoder layer scored by one-layer methods (paper: 2); default: the method's.
         device: ``cuda``, ``cuda:0``, ``cpu``...; default ``cuda`` when available, else ``cpu``. Under
             data parallel each process takes its own (``cuda:LOCAL_RANK``), so leave it unset there.
@@ -192,7 +192,7 @@ class PriorTRLMMs(lmms):
         self,
         pretrained: str,
         method: str = "priortr",
-        budget: int | float | str = 64,
+        budget: int | float | str | None = None,
         layer: int | str | None = None,
         device: str | None = None,
         device_map: str | None = None,
