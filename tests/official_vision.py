@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlavaForConditionalGeneration
 
 import priortr
-from tests.tiny import _TEXT, LLAVA_IMAGE_ID, PAD_ID, Batch, _finish, llava_batch
+from tests.tiny import Batch, llava_batch, tiny_llava
 
 GRID = 24
 N_VISUAL = GRID * GRID  # 576, as LLaVA-1.5
@@ -27,29 +27,9 @@ N_VISUAL = GRID * GRID  # 576, as LLaVA-1.5
 
 def tiny_llava_576(seed: int = 0) -> LlavaForConditionalGeneration:
     """A float64 LLaVA (4-layer Llama, 2-layer CLIP of width 32 and 2 heads) with 576 patch tokens."""
-    vision = CLIPVisionConfig(
-        image_size=2 * GRID,
-        patch_size=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        projection_dim=32,
+    return tiny_llava(
+        attn="eager", seed=seed, image_size=2 * GRID, patch_size=2, text={"max_position_embeddings": 1024}
     )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**{**_TEXT, "max_position_embeddings": 1024}),
-        image_token_id=LLAVA_IMAGE_ID,
-        image_seq_length=N_VISUAL,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        pad_token_id=PAD_ID,
-    )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration._from_config(
-        config, attn_implementation="eager", dtype=torch.float64
-    )
-    return _finish(model, "eager")
 
 
 def one_image(model: LlavaForConditionalGeneration, seed: int = 0) -> Batch:

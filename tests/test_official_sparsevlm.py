@@ -22,36 +22,19 @@ from contextlib import ExitStack
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlavaForConditionalGeneration
 
 import priortr
 from tests.oracle import staged_reference
-from tests.tiny import _TEXT, LLAVA_IMAGE_ID, PAD_ID, Batch, llava_batch
+from tests.tiny import Batch, llava_batch, tiny_llava
 
 SCHEDULE_64 = ((2, 66), (6, 30), (15, 17))  # score.py: pruning_loc 2/6/15, sparse_token_list_64
 
 
 def _official_geometry_llava() -> LlavaForConditionalGeneration:
     """A random-weight LLaVA with 24 x 24 = 576 visual tokens and 32 decoder layers, float64, eager."""
-    vision = CLIPVisionConfig(
-        image_size=168, patch_size=7, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, projection_dim=32,
-    )  # fmt: skip
-    text = LlamaConfig(**{**_TEXT, "num_hidden_layers": 32, "max_position_embeddings": 1024})
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=LLAVA_IMAGE_ID,
-        image_seq_length=576,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        pad_token_id=PAD_ID,
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration._from_config(
-        config, attn_implementation="eager", dtype=torch.float64
-    )
-    return model.eval()
+    text = {"num_hidden_layers": 32, "max_position_embeddings": 1024}
+    return tiny_llava(attn="eager", image_size=168, patch_size=7, text=text)
 
 
 def _layers(model: LlavaForConditionalGeneration) -> torch.nn.ModuleList:

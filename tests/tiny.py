@@ -67,12 +67,19 @@ def _finish(model: PreTrainedModel, attn: str) -> PreTrainedModel:
 
 
 def tiny_llava(
-    dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0
+    dtype: torch.dtype = torch.float64,
+    attn: str = "sdpa",
+    seed: int = 0,
+    *,
+    image_size: int = LLAVA_IMAGE_SIZE,
+    patch_size: int = LLAVA_PATCH_SIZE,
+    text: dict[str, Any] | None = None,
 ) -> LlavaForConditionalGeneration:
-    """A 4-layer Llama + 2-layer CLIP LLaVA; one 28x28 image becomes 16 visual tokens."""
+    """A 4-layer Llama + 2-layer CLIP LLaVA; one 28x28 image becomes 16 visual tokens. ``image_size``
+    and ``patch_size`` set another patch grid, ``text`` overrides the Llama config (e.g. its depth)."""
     vision = CLIPVisionConfig(
-        image_size=LLAVA_IMAGE_SIZE,
-        patch_size=LLAVA_PATCH_SIZE,
+        image_size=image_size,
+        patch_size=patch_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -81,9 +88,9 @@ def tiny_llava(
     )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=LlamaConfig(**_TEXT),
+        text_config=LlamaConfig(**{**_TEXT, **(text or {})}),
         image_token_id=LLAVA_IMAGE_ID,
-        image_seq_length=LLAVA_N_VISUAL,
+        image_seq_length=(image_size // patch_size) ** 2,
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         pad_token_id=PAD_ID,
