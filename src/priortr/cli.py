@@ -371,13 +371,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     recommends per method the fastest configuration reaching --target and writes it as a config file."""
     from priortr import calibrate
 
-    settings = calibrate.grid(args.methods, args.layers, args.budgets)
     processor, model = load(args.source, args.dtype, args.device)
     result = calibrate.calibrate(
         model,
         processor,
-        args.prompts,  # read by cli_input.check_calibrate, before the model load
-        settings,
+        args.prompts,  # prompts and grid: from cli_input.check_calibrate, before the model load
+        args.settings,
         args.out,
         model_name=args.model,
         data_name=args.data,

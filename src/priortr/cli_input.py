@@ -348,7 +348,7 @@ def check_calibrate(args: argparse.Namespace) -> None:
     distinct("--budgets", args.budgets)
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target {args.target}: an agreement share in (0, 1], e.g. 0.95")
-    calibrate.grid(args.methods, args.layers, args.budgets)
+    args.settings = calibrate.grid(args.methods, args.layers, args.budgets)
     args.device = str(check_device(args.device))
     args.out = output_directory(args.out)
     args.prompts = calibrate.load_prompts(args.data, args.limit)
