@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
+import priortr
 from priortr import flops
 from priortr.configs import config_dict, load_config, shipped_configs
 from priortr.flops import (
+    LayerProfile,
     ModelShape,
-    Schedule,
     TextShape,
     VisionShape,
     inference_flops,
     kv_cache_bytes,
     layer_flops,
     llm_prefill_flops,
-    priortr_schedule,
+    priortr_profile,
 )
 
 MIB = 2**20
@@ -87,16 +87,17 @@ def test_pruned_llm_prefill_is_the_papers_piecewise_formula():
 
 
 def test_layer_maps_to_layer_plus_one_full_layers():
-    schedule = priortr_schedule(2, layer=1)  # score at layer 1: layers 0 and 1 see every token
-    assert schedule.visual_per_layer(6, 4) == [6, 6, 2, 2]
-    pruned = inference_flops(TOY, schedule, text_tokens=4, decode_steps=0)
+    profile = priortr_profile(2, layer=1)  # score at layer 1: layers 0 and 1 see every token
+    assert profile.visual_per_layer(6, 4) == [6, 6, 2, 2]
+    assert flops.profile_of_stages([(1, 2)]) == LayerProfile("stages", ((2, 2),))  # (scored layer, kept)
+    pruned = inference_flops(TOY, profile, text_tokens=4, decode_steps=0)
     assert pruned.llm_prefill == llm_prefill_flops(TOY, 10, 6, 2)
     assert "layers 0..2 (3 layers" in flops.layer_mapping(2, 32, 48, 576)
 
 
 def test_every_term_of_the_toy_model_by_hand():
     vanilla = inference_flops(TOY, None, text_tokens=4, decode_steps=2)
-    pruned = inference_flops(TOY, priortr_schedule(2, layer=1), text_tokens=4, decode_steps=2)
+    pruned = inference_flops(TOY, priortr_profile(2, layer=1), text_tokens=4, decode_steps=2)
     # ViT: patch embedding 2*6*3*2, one layer on 7 tokens: 8*7*4 + 2*49*2 + 4*7*2*3
     assert vanilla.vit == pruned.vit == 72 + 224 + 196 + 168
     # projector on the 6 patch tokens: 2 N (Dv D + D D)
@@ -115,45 +116,17 @@ def test_every_term_of_the_toy_model_by_hand():
     assert vanilla.total(["vit", "projector"]) == 660 + 288
 
 
-# -- the paper's FLOPs column ---------------------------------------------------------------------------
+# -- PyramidDrop's profile ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["fastv", "priortr"])
-@pytest.mark.parametrize("kept", [192, 128, 64])
-def test_paper_flops_column_is_reproduced_within_half_a_point(method, kept):
-    rows = flops.paper_reproduction()["rows"]
-    (row,) = [r for r in rows if r["method"] == method and r["kept"] == kept]
-    assert row["paper_percent"] == {192: 49.5, 128: 41.1, 64: 32.8}[kept]
-    assert abs(row["ours_percent"] - row["paper_percent"]) <= 0.5
-    # and the paper's KV-cache column (MB there, MiB here) exactly
-    assert row["ours_kv_cache_mib"] == row["paper_kv_cache_mb"]
-
-
-def test_paper_protocol_defaults():
-    protocol = flops.PAPER_PROTOCOL
-    assert (protocol.text_tokens, protocol.decode_steps, protocol.full_layers) == (48, 63, 2)
-    assert protocol.terms == flops.TERMS and not protocol.exact and not protocol.all_prefill_logits
-    assert flops.paper_fit_error() <= 0.15
-    assert "this package's layer=1" in flops.format_paper_table(flops.paper_reproduction())
-
-
-def test_pyramid_drop_matches_the_papers_kv_cache_and_most_of_its_flops():
+def test_pyramid_drop_profile_caches_what_each_stage_processed():
     shape = flops.model_shape("llava-1.5-7b")
-    schedule = flops.pyramid_drop_schedule(192, 576, 32)
-    assert schedule.stages == ((8, 399), (16, 277), (24, 192))
-    assert not schedule.compact_cache
-    rows = [r for r in flops.paper_reproduction()["rows"] if r["method"] == "pdrop"]
-    for row in rows:
-        assert abs(row["ours_kv_cache_mib"] - row["paper_kv_cache_mb"]) <= 1
-    differences = {row["kept"]: abs(row["difference"]) for row in rows}
-    assert differences[192] <= 0.5 and differences[128] <= 0.5
-    assert differences[64] <= 1.0  # 56.1 vs 55.4: not within half a point (docs/flops.md)
-    # 58 decode steps instead of 63 bring all six FastV and PDrop numbers within half a point
-    joint = replace(flops.PAPER_PROTOCOL, decode_steps=58)
-    assert flops.paper_fit_error(joint, methods=("fastv", "priortr", "pdrop")) <= 0.45
+    profile = flops.pyramid_drop_profile(192, 576, 32)
+    assert profile.cuts == ((8, 399), (16, 277), (24, 192))
+    assert not profile.compact_cache
     per_token_layer = MIB // 64  # 2 x 32 heads x 128 x 2 bytes
     cached = sum(48 + n for n in (576, 399, 277, 192))  # 8 layers per stage
-    assert flops.cache_bytes(shape, schedule, 48, 576) == per_token_layer * 8 * cached
+    assert flops.cache_bytes(shape, profile, 48, 576) == per_token_layer * 8 * cached
 
 
 # -- properties -----------------------------------------------------------------------------------------
@@ -180,12 +153,33 @@ def test_a_budget_covering_every_visual_token_is_exactly_vanilla(method):
 def test_ratio_budgets_and_json_report():
     report = flops.flops_report("llava-1.5-7b", [0.5], text_tokens=10, decode_steps=5, layer=1)
     (row,) = report["rows"]
-    assert row["kept"] == 288 and row["stages"] == [[2, 288]]
+    assert row["kept"] == 288 and row["cuts"] == [[2, 288]]
+    assert (row["layer"], row["full_layers"]) == (1, 2)
     assumptions = report["assumptions"]
-    assert (assumptions["full_layers"], assumptions["text_tokens"], assumptions["decode_steps"]) == (2, 10, 5)
+    assert (assumptions["layer"], assumptions["text_tokens"], assumptions["decode_steps"]) == (1, 10, 5)
     assert json.loads(json.dumps(report)) == report
     table = flops.format_table(report)
-    assert "layers 0..1 (2 layers" in table and "| vanilla | 576 |" in table and "| priortr | 288 |" in table
+    assert "layers 0..1 (2 layers" in table and "| vanilla | - | 576 |" in table
+    assert "| priortr | 1 | 288 |" in table
+
+
+def test_each_method_is_counted_at_the_layer_apply_scores_by_default():
+    assert flops.DEFAULT_LAYER is priortr.engine.config.DEFAULT_LAYER
+    assert flops.default_layer("priortr") == flops.DEFAULT_LAYER == 2
+    assert flops.default_layer("fastv") == priortr.get_method("fastv").layer == 1
+    report = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv", "pdrop"])
+    layers = {row["method"]: (row["layer"], row["full_layers"]) for row in report["rows"]}
+    assert layers == {"priortr": (2, 3), "fastv": (1, 2), "pdrop": (None, None)}
+    assert report["assumptions"]["layer"] is None and len(report["assumptions"]["mapping"]) == 2
+    percent = {row["method"]: row["percent"] for row in report["rows"]}
+    assert percent["fastv"] < percent["priortr"]  # one full layer fewer
+    table = flops.format_table(report)
+    assert "| fastv | 1 | 64 |" in table and "| pdrop | cuts 8/16/24 | 64 |" in table
+    # a layer, or full_layers, puts every one-layer method there
+    at_two = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv"], layer=2)
+    assert [row["layer"] for row in at_two["rows"]] == [2, 2]
+    at_l2 = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv"], full_layers=2)
+    assert [row["full_layers"] for row in at_l2["rows"]] == [2, 2]
 
 
 def test_terms_restrict_the_total():
@@ -205,7 +199,7 @@ def test_report_rejects_bad_arguments():
     with pytest.raises(ValueError, match="fixed 576"):
         flops.flops_report("llava-1.5-7b", [64], image_tokens=100)
     with pytest.raises(ValueError, match="increasing layers"):
-        Schedule("bad", ((8, 100), (4, 50))).visual_per_layer(576, 32)
+        LayerProfile("bad", ((8, 100), (4, 50))).visual_per_layer(576, 32)
 
 
 def test_dynamic_resolution_models_take_the_image_token_count():
@@ -329,6 +323,6 @@ def test_flops_command(capsys):
     assert main(["flops", "--model", "llava-1.5-7b", "--budgets", "64", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert json.dumps(report)  # one JSON document
-    assert main(["flops", "--paper"]) == 0
+    assert main(["flops", "--methods", "priortr", "fastv", "--budgets", "64"]) == 0
     table = capsys.readouterr().out
-    assert "| fastv | 64 | 32.8% | 32.9% |" in table
+    assert "| priortr | 2 | 64 |" in table and "| fastv | 1 | 64 |" in table  # each method's own layer

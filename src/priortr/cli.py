@@ -187,10 +187,6 @@ def cmd_flops(args: argparse.Namespace) -> int:
     """Analytic FLOPs (the paper's protocol, Appendix "Efficiency Analysis") of vanilla and each method."""
     from priortr import flops
 
-    if args.paper:
-        result = flops.paper_reproduction()
-        print(json.dumps(result) if args.json else flops.format_paper_table(result))
-        return 0
     if args.config:
         setting = config_setting(args, "flops", ("method", "budget", "layer"))
         args.methods, args.budgets = [setting["method"]], [setting["budget"]]
@@ -479,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--budgets", type=parse_budget, nargs="+", default=[192, 128, 64])
     fl.add_argument("--methods", nargs="+", default=["priortr"], help="priortr, fastv or pdrop")
     fl.add_argument(
-        "--layer", type=nonnegative_int, default=2, help="0-indexed decoder layer whose attention is scored"
+        "--layer",
+        type=nonnegative_int,
+        help="0-indexed decoder layer whose attention is scored (default: each method's own)",
     )
     fl.add_argument("--text-tokens", type=positive_int, default=48)
     fl.add_argument("--decode-steps", type=nonnegative_int, default=63)
@@ -487,7 +485,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--image-tokens", type=positive_int, help="visual tokens per image (default: the model's)"
     )
     fl.add_argument("--exact", action="store_true", help="count grouped-query K/V projections exactly")
-    fl.add_argument("--paper", action="store_true", help="reproduce the paper's FLOPs column instead")
     fl.add_argument("--config", help=CONFIG_HELP + "; replaces --methods, --budgets and --layer")
     fl.add_argument("--json", action="store_true", help="print one JSON document")
     fl.set_defaults(func=cmd_flops)

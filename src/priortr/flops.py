@@ -29,6 +29,12 @@ scored: layers ``0 .. layer`` run on all tokens and layers ``layer+1 ..`` on tex
 paper's L ("full layers", ``full_layers`` here) is ``layer + 1``; ``layer=2`` means L = 3. FastV's
 ``K=2`` means two full layers (L = 2), as does the paper's Eq. with L = 2. The engine prunes the KV
 cache of layers ``0 .. layer`` as well, so every layer caches text + K tokens after a pruned prefill.
+Without a ``layer``, each method is counted at the layer ``priortr.apply`` scores for it by default
+(``default_layer``: PriorTR ``DEFAULT_LAYER`` = 2, FastV its registered 1), so a report's rows are
+what the library runs.
+
+The paper's own FLOPs and KV-cache columns, and the assumptions that reproduce them, are not part of
+the library: ``benchmarks/paper_flops.py`` in the repository.
 
 ``exact=True`` replaces the paper's formula, which assumes multi-head attention and counts one
 P x P x D product (or both in multiply-accumulates), by an exact count at 2 FLOPs per
@@ -47,6 +53,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr.configs import load_config
+from priortr.engine.config import DEFAULT_LAYER
+from priortr.methods import get_method
 from priortr.methods.pdrop import pyramid_stages
 from priortr.scoring import resolve_budget
 
@@ -55,7 +63,6 @@ METHODS: tuple[str, ...] = ("priortr", "fastv", "pdrop")
 DEFAULT_BUDGETS: tuple[int, ...] = (192, 128, 64)
 DEFAULT_TEXT_TOKENS = 48
 DEFAULT_DECODE_STEPS = 63
-DEFAULT_LAYER = 2
 DYNAMIC_IMAGE_TOKENS = 576  # Qwen-VL default: a 672 x 672 image = 48 x 48 patches = 24 x 24 merged tokens
 
 
@@ -309,29 +316,31 @@ def _text(config: PretrainedConfig | ModelShape | str) -> TextShape:
     return text_shape(load_config(config) if isinstance(config, str) else config)
 
 
-# -- schedules: how many visual tokens each decoder layer sees ------------------------------------------
+# -- layer profiles: how many visual tokens each decoder layer sees -------------------------------------
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """Visual tokens per decoder layer: from 0-indexed layer ``stages[i][0]`` on, ``stages[i][1]`` are kept.
+class LayerProfile:
+    """Visual tokens per decoder layer: from 0-indexed layer ``cuts[i][0]`` on, ``cuts[i][1]`` are kept.
 
-    ``compact_cache=True``: after the prefill every layer's KV cache holds only the finally kept tokens
-    (this package's engine). ``False``: each layer caches the tokens it processed (PyramidDrop).
-    No stages is the unpruned model.
+    A cut names the first layer that runs on fewer tokens, one after the scored layer of a method's
+    stages (``priortr.methods.Schedule`` and ``stages=``: (scored layer, kept)); ``profile_of_stages``
+    converts. ``compact_cache=True``: after the prefill every layer's KV cache holds only the finally
+    kept tokens (this package's engine). ``False``: each layer caches the tokens it processed
+    (PyramidDrop). No cuts is the unpruned model.
     """
 
     name: str
-    stages: tuple[tuple[int, int], ...] = ()
+    cuts: tuple[tuple[int, int], ...] = ()
     compact_cache: bool = True
 
     def visual_per_layer(self, n_visual: int, n_layers: int) -> list[int]:
         """Visual tokens processed by each decoder layer during the prefill."""
         counts = [n_visual] * n_layers
         previous_layer, previous_kept = -1, n_visual
-        for first, kept in self.stages:
+        for first, kept in self.cuts:
             if not previous_layer < first <= n_layers or kept < 0:
-                raise ValueError(f"stages must have increasing layers in [0, {n_layers}]: {self.stages}")
+                raise ValueError(f"cuts must have increasing layers in [0, {n_layers}]: {self.cuts}")
             kept = min(kept, previous_kept)
             counts[first:] = [kept] * (n_layers - first)
             previous_layer, previous_kept = first, kept
@@ -343,22 +352,29 @@ class Schedule:
         return [counts[-1]] * n_layers if self.compact_cache else counts
 
 
-def single_stage(kept: int, full_layers: int, name: str = "priortr") -> Schedule:
+def profile_of_stages(
+    stages: Sequence[tuple[int, int]], name: str = "stages", compact_cache: bool = True
+) -> LayerProfile:
+    """The profile of the engine's ``stages`` [(scored layer, kept)]: each cut one layer later (layer -1,
+    pruning before the first decoder layer, cuts at 0)."""
+    return LayerProfile(name, tuple((layer + 1, kept) for layer, kept in stages), compact_cache)
+
+
+def single_cut(kept: int, full_layers: int, name: str = "priortr") -> LayerProfile:
     """One pruning step: ``full_layers`` layers on all tokens, the rest on ``kept`` (cache compacted)."""
-    return Schedule(name, ((full_layers, kept),))
+    return LayerProfile(name, ((full_layers, kept),))
 
 
-def priortr_schedule(kept: int, layer: int = DEFAULT_LAYER, name: str = "priortr") -> Schedule:
+def priortr_profile(kept: int, layer: int = DEFAULT_LAYER, name: str = "priortr") -> LayerProfile:
     """This package's engine: score at 0-indexed ``layer``, so ``layer + 1`` layers run on all tokens."""
-    return single_stage(kept, layer + 1, name)
+    return single_cut(kept, layer + 1, name)
 
 
-def pyramid_drop_schedule(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> Schedule:
+def pyramid_drop_profile(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> LayerProfile:
     """PyramidDrop's stages (``priortr.methods.pdrop.pyramid_stages``) with each layer caching what it
-    processed, as the original implementation does: the schedule the paper's PDrop KV-cache column
+    processed, as the original implementation does: the profile the paper's PDrop KV-cache column
     implies. (This package's engine compacts every layer's cache instead.)"""
-    stages_ = pyramid_stages(kept, n_visual, n_layers, stages)
-    return Schedule("pdrop", tuple((layer + 1, count) for layer, count in stages_), compact_cache=False)
+    return profile_of_stages(pyramid_stages(kept, n_visual, n_layers, stages), "pdrop", compact_cache=False)
 
 
 def scheduled_prefill_flops(
@@ -370,21 +386,27 @@ def scheduled_prefill_flops(
     exact: bool = False,
 ) -> int:
     """Language-model prefill FLOPs of one prompt under the engine's ``stages`` [(scored layer, kept)],
-    layer -1 pruning before the first decoder layer."""
+    layer -1 pruning before the first decoder layer (the methods' ``Schedule`` convention)."""
     text = _text(config)
-    schedule = Schedule("stages", tuple((layer + 1, kept) for layer, kept in stages))
-    counts = schedule.visual_per_layer(n_visual, text.layers)
+    counts = profile_of_stages(stages).visual_per_layer(n_visual, text.layers)
     return sum(decoder_layer_flops(text, text_tokens + count, exact=exact) for count in counts)
 
 
-def method_schedule(
+def default_layer(method: str) -> int:
+    """The layer ``priortr.apply`` scores for ``method`` when none is named: the one the method registers
+    (its paper's setting: FastV 1), else the library's ``DEFAULT_LAYER`` (2)."""
+    registered = get_method(method).layer
+    return DEFAULT_LAYER if registered is None else registered
+
+
+def method_profile(
     method: str, kept: int, shape: ModelShape, n_visual: int, layer: int, full_layers: int | None = None
-) -> Schedule:
-    """The schedule of ``method`` ("priortr" / "fastv": one stage after ``layer``; "pdrop": PyramidDrop)."""
+) -> LayerProfile:
+    """The profile of ``method`` ("priortr" / "fastv": one cut after ``layer``; "pdrop": PyramidDrop)."""
     if method in ("priortr", "fastv"):
-        return single_stage(kept, layer + 1 if full_layers is None else full_layers, method)
+        return single_cut(kept, layer + 1 if full_layers is None else full_layers, method)
     if method == "pdrop":
-        return pyramid_drop_schedule(kept, n_visual, shape.text.layers)
+        return pyramid_drop_profile(kept, n_visual, shape.text.layers)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -447,7 +469,7 @@ def decode_flops(text: TextShape, cached: Sequence[int], steps: int, exact: bool
 
 def inference_flops(
     config: PretrainedConfig | ModelShape | str,
-    schedule: Schedule | None = None,
+    profile: LayerProfile | None = None,
     *,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     decode_steps: int = DEFAULT_DECODE_STEPS,
@@ -455,7 +477,7 @@ def inference_flops(
     exact: bool = False,
     all_prefill_logits: bool = False,
 ) -> FlopsBreakdown:
-    """FLOPs of one generation: ViT, projector, LLM prefill under ``schedule`` (None: unpruned), then
+    """FLOPs of one generation: ViT, projector, LLM prefill under ``profile`` (None: unpruned), then
     ``decode_steps`` decode steps, and the LM head (last prefill row, or every row that leaves the last
     layer with ``all_prefill_logits``, plus one row per step). ``text_tokens`` counts every prompt token
     that is not visual (template, separator, question)."""
@@ -464,9 +486,9 @@ def inference_flops(
     n_visual = shape.default_image_tokens if image_tokens is None else image_tokens
     if text_tokens < 0 or decode_steps < 0 or n_visual < 1:
         raise ValueError("text_tokens and decode_steps must be >= 0 and image_tokens >= 1")
-    schedule = schedule or Schedule("vanilla")
-    visual = schedule.visual_per_layer(n_visual, text.layers)
-    cached = [text_tokens + kept for kept in schedule.cached_per_layer(n_visual, text.layers)]
+    profile = profile or LayerProfile("vanilla")
+    visual = profile.visual_per_layer(n_visual, text.layers)
+    cached = [text_tokens + kept for kept in profile.cached_per_layer(n_visual, text.layers)]
     prefill_rows = text_tokens + visual[-1] if all_prefill_logits else 1
     return FlopsBreakdown(
         vit=vit_flops(shape, n_visual, exact),
@@ -478,11 +500,11 @@ def inference_flops(
 
 
 def cache_bytes(
-    shape: ModelShape, schedule: Schedule | None, text_tokens: int, n_visual: int, dtype_bytes: int = 2
+    shape: ModelShape, profile: LayerProfile | None, text_tokens: int, n_visual: int, dtype_bytes: int = 2
 ) -> int:
-    """KV-cache bytes right after the prefill under ``schedule`` (batch 1)."""
-    schedule = schedule or Schedule("vanilla")
-    per_layer = schedule.cached_per_layer(n_visual, shape.text.layers)
+    """KV-cache bytes right after the prefill under ``profile`` (batch 1)."""
+    profile = profile or LayerProfile("vanilla")
+    per_layer = profile.cached_per_layer(n_visual, shape.text.layers)
     per_token = kv_cache_bytes(shape, 1, dtype_bytes) // shape.text.layers
     return per_token * sum(text_tokens + kept for kept in per_layer)
 
@@ -505,7 +527,7 @@ def flops_report(
     budgets: Sequence[int | float] = DEFAULT_BUDGETS,
     *,
     methods: Sequence[str] = ("priortr",),
-    layer: int = DEFAULT_LAYER,
+    layer: int | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     decode_steps: int = DEFAULT_DECODE_STEPS,
     image_tokens: int | None = None,
@@ -519,8 +541,11 @@ def flops_report(
 
     ``config``: a config, a shipped name or a checkpoint path. ``budgets``: token counts K or ratios
     in (0, 1) of the image's tokens (as ``priortr.apply``). ``layer``: this package's 0-indexed scored
-    layer (``full_layers = layer + 1`` unless ``full_layers`` is given). ``terms``: the terms summed
-    into ``total`` and the percentage (all by default). The KV cache is reported for ``dtype_bytes``.
+    layer for every one-layer method; None, as ``priortr.apply``, gives each its own (``default_layer``:
+    PriorTR 2, FastV 1). ``full_layers`` overrides ``layer + 1``. ``terms``: the terms summed into
+    ``total`` and the percentage (all by default). The KV cache is reported for ``dtype_bytes``.
+    Each row names its scored ``layer`` and ``full_layers`` (None for PyramidDrop's own stages) and
+    its ``cuts`` (``LayerProfile``).
     """
     name = config if isinstance(config, str) else getattr(config, "name_or_path", "") or config.model_type
     shape = _shape(config)
@@ -528,8 +553,6 @@ def flops_report(
     unknown = sorted(set(terms) - set(TERMS))
     if unknown:
         raise ValueError(f"unknown terms {unknown}; choose from {', '.join(TERMS)}")
-    if not 0 <= layer <= shape.text.layers - 2:
-        raise ValueError(f"layer must be in [0, {shape.text.layers - 2}], got {layer}")
     common = {
         "text_tokens": text_tokens,
         "decode_steps": decode_steps,
@@ -543,20 +566,23 @@ def flops_report(
     for method in methods:
         for budget in budgets:
             kept = resolve_budget(budget, n_visual)
-            schedule = method_schedule(method, kept, shape, n_visual, layer, full_layers)
-            flops = inference_flops(shape, schedule, **common)
+            scored = _scored_layer(method, layer, full_layers, shape.text.layers)
+            profile = method_profile(method, kept, shape, n_visual, scored, full_layers)
+            flops = inference_flops(shape, profile, **common)
             rows.append(
                 {
                     "method": method,
                     "budget": budget,
                     "kept": kept,
-                    "stages": [list(stage) for stage in schedule.stages],
+                    "layer": scored,
+                    "full_layers": None if scored is None else scored + 1,
+                    "cuts": [list(cut) for cut in profile.cuts],
                     "flops": flops.as_dict(terms),
                     "percent": 100 * flops.total(terms) / vanilla_total,
-                    "kv_cache_bytes": cache_bytes(shape, schedule, text_tokens, n_visual, dtype_bytes),
+                    "kv_cache_bytes": cache_bytes(shape, profile, text_tokens, n_visual, dtype_bytes),
                 }
             )
-    effective_full = layer + 1 if full_layers is None else full_layers
+    full = sorted({row["full_layers"] for row in rows if row["full_layers"] is not None})
     return {
         "model": name,
         "model_type": shape.model_type,
@@ -564,8 +590,8 @@ def flops_report(
         "assumptions": {
             **common,
             "layer": layer,
-            "full_layers": effective_full,
-            "mapping": layer_mapping(effective_full - 1, shape.text.layers, text_tokens, n_visual),
+            "full_layers": full_layers,
+            "mapping": [layer_mapping(f - 1, shape.text.layers, text_tokens, n_visual) for f in full],
             "prefill_logits": "all rows" if all_prefill_logits else "last position only (generate())",
             "terms": list(terms),
             "dtype_bytes": dtype_bytes,
@@ -580,10 +606,32 @@ def flops_report(
     }
 
 
+def _scored_layer(method: str, layer: int | None, full_layers: int | None, n_layers: int) -> int | None:
+    """The 0-indexed scored layer of a one-layer ``method`` (None for PyramidDrop's own stages)."""
+    if method == "pdrop":
+        return None
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if full_layers is not None:
+        layer = full_layers - 1
+    elif layer is None:
+        layer = default_layer(method)
+    if not 0 <= layer <= n_layers - 2:
+        raise ValueError(f"layer must be in [0, {n_layers - 2}], got {layer}")
+    return layer
+
+
 def _vision_dict(vision: VisionShape) -> dict[str, Any]:
     data = asdict(vision)
     data["full_attention_layers"] = sorted(vision.full_attention_layers)
     return data
+
+
+def _layer_cell(row: dict[str, Any]) -> str:
+    """The scored layer of a one-layer row; a staged row's first pruned layers."""
+    if row["layer"] is not None:
+        return str(row["layer"])
+    return "cuts " + "/".join(str(first) for first, _ in row["cuts"])
 
 
 def _gflops(value: int) -> str:
@@ -596,128 +644,28 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"FLOPs of {report['model']} ({report['model_type']}), one image, batch 1; {assumptions['formula']}.",
         "",
-        f"- {assumptions['mapping']}",
+        *(f"- {line}" for line in assumptions["mapping"]),
         f"- {assumptions['text_tokens']} text tokens, {assumptions['image_tokens']} visual tokens, "
         f"{assumptions['decode_steps']} decode steps; LM head on the {assumptions['prefill_logits']} "
         "of the prefill and one row per decode step",
         f"- total and % of vanilla sum: {', '.join(assumptions['terms'])}; "
         f"KV cache at {assumptions['dtype_bytes']} bytes per value",
         "",
-        "| method | K | ViT | projector | LLM prefill | decode | LM head | total | % of vanilla "
+        "| method | layer | K | ViT | projector | LLM prefill | decode | LM head | total | % of vanilla "
         "| KV cache (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    entries = [("vanilla", assumptions["image_tokens"], report["vanilla"])]
-    entries += [(row["method"], row["kept"], row) for row in report["rows"]]
-    for method, kept, entry in entries:
+    entries = [("vanilla", "-", assumptions["image_tokens"], report["vanilla"])]
+    entries += [(row["method"], _layer_cell(row), row["kept"], row) for row in report["rows"]]
+    for method, layer, kept, entry in entries:
         flops = entry["flops"]
         cells = [_gflops(flops[term]) for term in (*TERMS, "total")]
         lines.append(
-            f"| {method} | {kept} | {' | '.join(cells)} | {entry['percent']:.1f}% "
+            f"| {method} | {layer} | {kept} | {' | '.join(cells)} | {entry['percent']:.1f}% "
             f"| {entry['kv_cache_bytes'] / 2**20:.1f} |"
         )
     lines.append("")
     lines.append("FLOPs columns in GFLOPs (1e9).")
-    return "\n".join(lines) + "\n"
-
-
-# -- the paper's FLOPs column --------------------------------------------------------------------------
-
-PAPER_FLOPS_PERCENT: dict[str, dict[int, float]] = {
-    "fastv": {192: 49.5, 128: 41.1, 64: 32.8},
-    "priortr": {192: 49.5, 128: 41.1, 64: 32.8},
-    "pdrop": {192: 70.0, 128: 63.3, 64: 55.4},
-    "sparsevlm": {192: 45.7, 128: 36.8, 64: 28.1},
-}
-PAPER_KV_CACHE_MB: dict[str, dict[int, int]] = {
-    "vanilla": {576: 312},
-    "fastv": {192: 120, 128: 88, 64: 56},
-    "priortr": {192: 120, 128: 88, 64: 56},
-    "pdrop": {192: 205, 128: 182, 64: 156},
-    "sparsevlm": {192: 128, 128: 97, 64: 66},
-}
-
-
-@dataclass(frozen=True)
-class PaperProtocol:
-    """The assumptions that reproduce the paper's FLOPs column (Table "Efficiency comparison on
-    LLaVA-1.5-7B"); see docs/flops.md for the search that chose them.
-
-    - 48 text tokens: the prompt of the paper's own KV-cache column (312 MiB = 624 tokens = 576 + 48).
-    - 63 decode steps: ``generate(max_new_tokens=64)`` (the prefill yields the first token).
-    - 2 full layers: the paper's Eq. with L = 2, which is FastV's K = 2 (this package's ``layer=1``);
-      the paper gives FastV and PriorTR the same FLOPs, so both are counted with L = 2.
-    - every term (ViT, projector, prefill, decode, LM head), the paper's formula, logits of the last
-      prefill position only.
-    """
-
-    model: str = "llava-1.5-7b"
-    text_tokens: int = DEFAULT_TEXT_TOKENS
-    decode_steps: int = DEFAULT_DECODE_STEPS
-    full_layers: int = 2
-    terms: tuple[str, ...] = TERMS
-    exact: bool = False
-    all_prefill_logits: bool = False
-
-
-PAPER_PROTOCOL = PaperProtocol()
-REPRODUCED_METHODS: tuple[str, ...] = ("fastv", "priortr", "pdrop")
-
-
-def paper_reproduction(protocol: PaperProtocol = PAPER_PROTOCOL) -> dict[str, Any]:
-    """Our FLOPs percentages next to the paper's, for FastV, PriorTR and PyramidDrop at K = 192/128/64."""
-    report = flops_report(
-        protocol.model,
-        tuple(PAPER_FLOPS_PERCENT["fastv"]),
-        methods=REPRODUCED_METHODS,
-        layer=protocol.full_layers - 1,
-        text_tokens=protocol.text_tokens,
-        decode_steps=protocol.decode_steps,
-        full_layers=protocol.full_layers,
-        exact=protocol.exact,
-        all_prefill_logits=protocol.all_prefill_logits,
-        terms=protocol.terms,
-    )
-    rows = []
-    for row in report["rows"]:
-        paper = PAPER_FLOPS_PERCENT[row["method"]][row["kept"]]
-        rows.append(
-            {
-                "method": row["method"],
-                "kept": row["kept"],
-                "paper_percent": paper,
-                "ours_percent": round(row["percent"], 2),
-                "difference": round(row["percent"] - paper, 2),
-                "paper_kv_cache_mb": PAPER_KV_CACHE_MB[row["method"]][row["kept"]],
-                "ours_kv_cache_mib": round(row["kv_cache_bytes"] / 2**20, 1),
-            }
-        )
-    return {"protocol": asdict(protocol), "assumptions": report["assumptions"], "rows": rows}
-
-
-def paper_fit_error(protocol: PaperProtocol = PAPER_PROTOCOL, methods: Sequence[str] = ("fastv",)) -> float:
-    """Largest |ours - paper| in percentage points over ``methods`` x {192, 128, 64}."""
-    rows = paper_reproduction(protocol)["rows"]
-    return max(abs(row["difference"]) for row in rows if row["method"] in methods)
-
-
-def format_paper_table(result: dict[str, Any]) -> str:
-    """Markdown of ``paper_reproduction``: the paper's numbers and ours, side by side."""
-    protocol = result["protocol"]
-    lines = [
-        f"Paper FLOPs column reproduced on {protocol['model']}: {protocol['text_tokens']} text tokens, "
-        f"{protocol['decode_steps']} decode steps, L = {protocol['full_layers']} full layers "
-        f"(this package's layer={protocol['full_layers'] - 1}), terms: {', '.join(protocol['terms'])}.",
-        "",
-        "| method | K | FLOPs, paper | FLOPs, ours | ours - paper | KV cache, paper (MB) "
-        "| KV cache, ours (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['method']} | {row['kept']} | {row['paper_percent']:.1f}% | {row['ours_percent']:.1f}% "
-            f"| {row['difference']:+.2f} | {row['paper_kv_cache_mb']} | {row['ours_kv_cache_mib']:.1f} |"
-        )
     return "\n".join(lines) + "\n"
 
 
@@ -727,35 +675,30 @@ __all__ = [
     "DEFAULT_LAYER",
     "DEFAULT_TEXT_TOKENS",
     "METHODS",
-    "PAPER_FLOPS_PERCENT",
-    "PAPER_KV_CACHE_MB",
-    "PAPER_PROTOCOL",
     "TERMS",
     "FlopsBreakdown",
+    "LayerProfile",
     "ModelShape",
-    "PaperProtocol",
-    "Schedule",
     "TextShape",
     "VisionShape",
     "cache_bytes",
     "decode_flops",
     "decoder_layer_flops",
+    "default_layer",
     "flops_report",
-    "format_paper_table",
     "format_table",
     "inference_flops",
     "kv_cache_bytes",
     "layer_flops",
     "layer_mapping",
     "llm_prefill_flops",
-    "method_schedule",
+    "method_profile",
     "model_shape",
-    "paper_fit_error",
-    "paper_reproduction",
-    "priortr_schedule",
+    "priortr_profile",
+    "profile_of_stages",
     "projector_flops",
-    "pyramid_drop_schedule",
-    "single_stage",
+    "pyramid_drop_profile",
+    "single_cut",
     "text_shape",
     "vit_flops",
 ]

@@ -1,6 +1,6 @@
 """Print what pruning adds to a prefill and a decode step: ops, host syncs, hook calls, host time.
 
-    .venv/bin/python scripts/overhead.py [--layers 32] [--methods priortr fastv pdrop divprune]
+    .venv/bin/python benchmarks/overhead.py [--layers 32] [--methods priortr fastv pdrop divprune]
         [--budget 4] [--layer 2] [--batch 1] [--cache dynamic static] [--compile]
 
 The model is a tiny LLaVA with random weights (a 32-layer Llama of width 64, a 2-layer CLIP tower, one

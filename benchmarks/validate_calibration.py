@@ -1,7 +1,7 @@
 """Does the label-free agreement of ``priortr calibrate`` predict labelled accuracy? (docs/calibration.md)
 
-    .venv/bin/python scripts/validate_calibration.py --train CAL/scenes-train \
-        --test CAL/scenes-test CAL/easy-vqa-test --out docs/calibration
+    .venv/bin/python benchmarks/validate_calibration.py --train CAL/scenes-train \
+        --test CAL/scenes-test CAL/easy-vqa-test --out benchmarks/results/calibration
 
 Each folder is a ``priortr calibrate --out`` folder run on a testbed split; its ``calibration.json``
 holds every configuration's replies, which are scored here against the split's reference answers (the
