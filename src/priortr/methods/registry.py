@@ -61,7 +61,7 @@ class MethodInfo:
             ``final_norm`` (the scored layer's output through the language model's final norm, visual
             tokens and text rows), ``input_embeddings`` (the text rows' and the image's input
             embeddings, as they enter decoder layer 0); ``StageInputs`` documents the fields.
-        summary, source: one line each for ``priortr methods`` and the README.
+        summary, source: one line each for ``priortr methods`` and docs/methods.md.
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
         layer: the scored layer of a ``layer`` method when the caller names none (its paper's setting);
