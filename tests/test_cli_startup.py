@@ -5,8 +5,6 @@ registry's."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from priortr.cli import build_parser, main
+from priortr.cli import build_parser
 from priortr.cli import methods as methods_command
 from priortr.methods import catalog
 
@@ -23,6 +21,7 @@ HEAVY = ("torch", "transformers", "priortr.methods", "priortr.api")
 
 RUN = """
 import contextlib, io, json, sys
+{preamble}
 from priortr.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = main({argv!r})
@@ -31,14 +30,19 @@ print(json.dumps({{"code": code, "out": out.getvalue(), "loaded": loaded}}))
 """
 
 
-def run(argv: list[str]) -> dict:
-    """``main(argv)`` in a fresh interpreter: exit code, output, and which heavy modules it imported."""
-    script = RUN.format(argv=argv, heavy=HEAVY)
+def fresh(script: str) -> str:
+    """The output of ``script`` run by a fresh interpreter."""
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return done.stdout
+
+
+def run(argv: list[str], preamble: str = "") -> dict:
+    """``main(argv)`` in a fresh interpreter (after ``preamble``): exit code, output, and which heavy
+    modules it imported."""
+    return json.loads(fresh(RUN.format(argv=argv, heavy=HEAVY, preamble=preamble)).splitlines()[-1])
 
 
 def command_names() -> list[str]:
@@ -64,18 +68,18 @@ def test_answers_without_torch(argv: list[str]) -> None:
 
 
 def test_the_catalog_is_the_live_registry() -> None:
-    """Regenerate with ``python -m priortr.methods.catalog`` after changing a method's registration."""
-    assert json.loads(catalog.FILE.read_text()) == catalog.entries()
+    """Regenerate with ``python -m priortr.methods.catalog`` after changing a method's registration.
+    Compared in a fresh interpreter: this one's registry may hold methods that tests register."""
+    live = json.loads(
+        fresh("import json; from priortr.methods import catalog; print(json.dumps(catalog.entries()))")
+    )
+    assert json.loads(catalog.FILE.read_text()) == live
     assert methods_command.CATALOG == catalog.FILE
 
 
-def test_the_listing_from_the_catalog_is_the_listing_from_the_registry() -> None:
-    assert run(["methods", "--json"])["out"] == run_in_process(["methods", "--json"])
-    assert run(["methods"])["out"] == run_in_process(["methods"])
-
-
-def run_in_process(argv: list[str]) -> str:
-    """``main(argv)``'s output here, where the registry is imported (so the live one is listed)."""
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        assert main(argv) == 0
-    return out.getvalue()
+@pytest.mark.parametrize("argv", [["methods"], ["methods", "--json"]])
+def test_the_listing_from_the_catalog_is_the_listing_from_the_registry(argv: list[str]) -> None:
+    from_catalog = run(argv)
+    from_registry = run(argv, "import priortr.methods  # the live registry is listed")
+    assert "priortr.methods" not in from_catalog["loaded"]
+    assert from_catalog["out"] == from_registry["out"]

@@ -4,7 +4,8 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
         --tasks gqa --batch_size 8 --output_path results/
 
-The model is loaded with ``AutoProcessor`` + ``AutoModelForImageTextToText`` and ``priortr.apply`` is
+The model is loaded by ``priortr.loading.load`` (``AutoProcessor`` + ``AutoModelForImageTextToText``, the
+CLI's loader and checks), prompts are built by ``priortr.prompts.prompt_text``, and ``priortr.apply`` is
 attached once; every request then runs the stock ``generate()`` / forward call of the pruned model.
 Registered through the ``lmms_eval.models`` entry point (``priortr.lmms_manifest``). This module imports
 ``lmms_eval`` and is only imported by lmms-eval itself; ``import priortr`` does not import it.
