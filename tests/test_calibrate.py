@@ -22,7 +22,7 @@ from priortr import calibrate
 from priortr.cli import main
 from priortr.config_file import read_config, write_config
 from priortr.flops import scheduled_prefill_flops
-from priortr.testbed.evaluate import prompt_text
+from priortr.prompts import prompt_text
 from tests.checkpoint import save_tiny_llava_checkpoint
 from tests.tiny import LLAVA_N_VISUAL
 

@@ -17,8 +17,9 @@ import pytest
 from PIL import Image
 from transformers import LlamaConfig
 
-from priortr import bench, cli, cli_input
-from priortr.cli import build_parser, main
+import priortr
+from priortr import bench, loading
+from priortr.cli import arguments, build_parser, checks, main
 from tests.checkpoint import save_tiny_llava_checkpoint
 
 PROMPT = ["--prompt", "what is in the image"]
@@ -51,7 +52,7 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(cli, "load", refuse)
+    monkeypatch.setattr(loading, "load", refuse)
     monkeypatch.setattr(bench, "build_model", refuse)
 
 
@@ -79,8 +80,8 @@ def int_options() -> list[tuple[str, str, str]]:
     cases = []
     for name, parser in subcommands().items():
         for action in parser._actions:
-            if action.type in (cli_input.positive_int, cli_input.nonnegative_int):
-                low = "0" if action.type is cli_input.positive_int else "-1"
+            if action.type in (arguments.positive_int, arguments.nonnegative_int):
+                low = "0" if action.type is arguments.positive_int else "-1"
                 cases += [(name, action.option_strings[-1], low), (name, action.option_strings[-1], "-5")]
     return cases
 
@@ -255,8 +256,8 @@ def test_an_output_file_that_is_a_folder_or_unwritable_is_refused(capsys, files,
 
 
 def test_an_output_name_without_suffix_gets_png_and_says_so(tmp_path):
-    assert cli_input.output_file(str(tmp_path / "maps")) == tmp_path / "maps.png"
-    assert cli_input.output_file(str(tmp_path / "maps.pdf")) == tmp_path / "maps.pdf"
+    assert checks.output_file(str(tmp_path / "maps")) == tmp_path / "maps.png"
+    assert checks.output_file(str(tmp_path / "maps.pdf")) == tmp_path / "maps.pdf"
 
 
 def test_debug_shows_the_traceback(monkeypatch):
@@ -269,7 +270,7 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.strip() == f"priortr {cli.priortr.__version__}"
+    assert capsys.readouterr().out.strip() == f"priortr {priortr.__version__}"
 
 
 def console() -> list[str]:

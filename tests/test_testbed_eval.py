@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from priortr import cli
+from priortr import cli, loading
 from priortr.testbed import evaluate
 from priortr.testbed.data import Sample
 from priortr.testbed.evaluate import Cell, Report, first_word
@@ -102,7 +102,7 @@ class FakeRun:
     def patch(self, monkeypatch) -> None:
         monkeypatch.setattr(evaluate, "apply", self.apply)
         monkeypatch.setattr(evaluate, "answer", self.answer)
-        monkeypatch.setattr(cli, "load", lambda *_: (None, self.model))
+        monkeypatch.setattr(loading, "load", lambda *_: (None, self.model))
 
 
 EVAL = ["eval", "--limit", "7", "--methods", "vanilla", "priortr", "visionzip", "--budgets", "64", "32"]

@@ -14,6 +14,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 import priortr
 from priortr import cli
+from priortr.prompts import prompt_text
 from priortr.testbed import assemble, data, evaluate
 from priortr.testbed.architecture import GRID
 
@@ -48,7 +49,7 @@ def test_the_processor_expands_the_image_and_the_separator_follows_it(testbed):
     model, processor = testbed
     sample = data.load_split("scenes-test", limit=1)[0]
     inputs = processor(
-        images=sample.image(), text=evaluate.prompt_text(processor, sample.question), return_tensors="pt"
+        images=sample.image(), text=prompt_text(processor, sample.question), return_tensors="pt"
     )
     ids = inputs["input_ids"][0]
     image = torch.nonzero(ids == model.config.image_token_id).flatten()

@@ -41,6 +41,7 @@ from priortr.bench import Clock, timing_hooks
 from priortr.config_file import write_config
 from priortr.flops import scheduled_prefill_flops
 from priortr.methods import get_method
+from priortr.prompts import prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -155,26 +156,11 @@ def _image_reader(path: Path) -> Callable[[], Image.Image]:
     return load
 
 
-def split_prompts(name: str, limit: int | None) -> list[Prompt]:
-    """A named testbed split (``priortr.testbed.data``) as prompts; its reference answers are not read."""
-    from priortr.testbed.data import load_split
-
-    return [
-        Prompt(f"{sample.image_id}#{sample.kind}", sample.question, sample.image)
-        for sample in load_split(name, limit)
-    ]
-
-
-def load_prompts(data: str, limit: int | None = None) -> list[Prompt]:
-    """``data`` is a built-in split name or a folder with ``prompts.jsonl``; ``limit`` keeps the first
-    prompts of a folder, or a fixed seeded subset of a split."""
-    from priortr.testbed.data import SPLITS
-
+def load_prompts(folder: str, limit: int | None = None) -> list[Prompt]:
+    """The first ``limit`` prompts (all with None) of a folder with ``prompts.jsonl``."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be at least 1, got {limit}")
-    if data in SPLITS:
-        return split_prompts(data, limit)
-    return folder_prompts(data)[:limit]
+    return folder_prompts(folder)[:limit]
 
 
 def grid(methods: Sequence[str], layers: Sequence[int], budgets: Sequence[int | float]) -> list[Setting]:
@@ -233,8 +219,6 @@ class Calibrator:
         self._stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     def _encode(self, batch: Sequence[Prompt]) -> dict[str, torch.Tensor]:
-        from priortr.testbed.evaluate import prompt_text
-
         self.processor.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
         return self.processor(
             images=[prompt.load() for prompt in batch],

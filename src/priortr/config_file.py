@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 METADATA = "calibration"  # informational: the measurement behind the setting, ignored by readers
+
+
+def parse_budget(value: int | float | str | None) -> int | float | None:
+    """A budget given as text (the command line, lmms-eval's ``model_args``): an integer literal is a
+    token count, anything else a ratio; numbers and None pass through. ``apply`` checks the range."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        return int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {value!r}") from None
 
 
 def apply_defaults() -> dict[str, Any]:

@@ -8,7 +8,9 @@ line cut short by a crash is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +64,14 @@ def _parse(line: str) -> dict[str, Any] | None:
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     keys = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
     return ", ".join(f"{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in keys) or "unreadable header"
+
+
+@contextlib.contextmanager
+def finished_so_far(table: Callable[[], str], journal: Path) -> Iterator[None]:
+    """On Ctrl-C or a failure inside the block, print the table of what finished and how to resume."""
+    try:
+        yield
+    except BaseException:
+        print(table(), end="")
+        print(f"stopped early; what finished is recorded in {journal}: rerun with --resume to continue")
+        raise

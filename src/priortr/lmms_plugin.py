@@ -4,7 +4,8 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
         --tasks gqa --batch_size 8 --output_path results/
 
-The model is loaded with ``AutoProcessor`` + ``AutoModelForImageTextToText`` and ``priortr.apply`` is
+The model is loaded by ``priortr.loading.load`` (``AutoProcessor`` + ``AutoModelForImageTextToText``, the
+CLI's loader and checks), prompts are built by ``priortr.prompts.prompt_text``, and ``priortr.apply`` is
 attached once; every request then runs the stock ``generate()`` / forward call of the pruned model.
 Registered through the ``lmms_eval.models`` entry point (``priortr.lmms_manifest``). This module imports
 ``lmms_eval`` and is only imported by lmms-eval itself; ``import priortr`` does not import it.
@@ -56,13 +57,10 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 import priortr
+from priortr.config_file import parse_budget
+from priortr.loading import DTYPES, load
+from priortr.prompts import prompt_text
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 # keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
 _IGNORED_KWARGS = ("max_batch_size",)
 REQUEST_TYPES = ("loglikelihood", "generate_until")
@@ -146,14 +144,6 @@ def data_parallel_accelerator(device: str | None, device_map: str | None) -> Any
     return accelerator
 
 
-def _parse_budget(budget: int | float | str | None) -> int | float | None:
-    """lmms-eval hands ``budget=64`` over as int 64 and ``budget=0.25`` as float; accept strings too."""
-    if isinstance(budget, str):
-        text = budget.strip()
-        return int(text) if text.lstrip("+-").isdigit() else float(text)
-    return budget
-
-
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
     """``text`` up to the first occurrence of any (non-empty) stop string."""
     cut = len(text)
@@ -209,8 +199,6 @@ class PriorTRLMMs(lmms):
         unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
         if unknown:
             raise TypeError(f"priortr: unknown model_args {unknown}; see docs/lmms-eval.md")
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
         if str(batch_size).strip().isdigit() and int(batch_size) >= 1:
             self.batch_size = int(batch_size)  # the CLI passes --batch_size as a string
         else:
@@ -225,17 +213,17 @@ class PriorTRLMMs(lmms):
             self.device = accelerator.device
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
         self.max_new_tokens = int(max_new_tokens)
-        self.budget = _parse_budget(budget)
+        self.budget = parse_budget(budget)
 
         # straight onto this process's device (no host copy per process), or split by device_map
-        load_kwargs: dict[str, Any] = {
-            "dtype": DTYPES.get(dtype, "auto"),
-            "device_map": device_map or str(self.device),
-        }
-        if attn_implementation:
-            load_kwargs["attn_implementation"] = attn_implementation
-        self.processor = AutoProcessor.from_pretrained(pretrained)
-        self.model = AutoModelForImageTextToText.from_pretrained(pretrained, **load_kwargs).eval()
+        self.processor, self.model = load(
+            pretrained,
+            dtype,
+            str(self.device),
+            attn_implementation=attn_implementation,
+            device_map=device_map or str(self.device),
+            option="pretrained",
+        )
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.model.config.image_token_id
         self.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
@@ -282,13 +270,6 @@ class PriorTRLMMs(lmms):
                     "supported"
                 )
         return [v.convert("RGB") for v in visuals]
-
-    def _prompt(self, context: str, images: list[Image.Image]) -> str:
-        """The chat-template prompt text: the image placeholder(s), then the context; generation prompt."""
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": context}]
-        return self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
 
     def _encode(self, texts: list[str], images: list[list[Image.Image]]) -> Any:
         """Left-padded batch of prompt texts (special tokens come from the template) and their images."""
@@ -366,7 +347,10 @@ class PriorTRLMMs(lmms):
             if float(gen_kwargs.get("temperature") or 0) > 0 or gen_kwargs.get("do_sample"):
                 eval_logger.warning("priortr: the task asks for sampling; the plug-in decodes greedily")
             images = [self._images(d2v, task, split, doc_id) for _, (_, _, d2v, doc_id, task, split) in chunk]
-            prompts = [self._prompt(args[0], imgs) for (_, args), imgs in zip(chunk, images, strict=True)]
+            prompts = [
+                prompt_text(self.processor, args[0], len(imgs))
+                for (_, args), imgs in zip(chunk, images, strict=True)
+            ]
             inputs = self._encode(prompts, images)
             before = self.handle.last
             self._sync()
@@ -438,7 +422,10 @@ class PriorTRLMMs(lmms):
         pruned logits hold the rows of ``handle.last.positions``: text after the image is always kept, so
         the n continuation tokens at S-n .. S-1 are predicted by the last n + 1 rows but one.
         """
-        prompts = [self._prompt(context, imgs) for context, imgs in zip(contexts, images, strict=True)]
+        prompts = [
+            prompt_text(self.processor, context, len(imgs))
+            for context, imgs in zip(contexts, images, strict=True)
+        ]
         tails = []
         for prompt, continuation in zip(prompts, continuations, strict=True):
             whole = self._text_ids(prompt + continuation)

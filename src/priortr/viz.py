@@ -20,6 +20,7 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
+from priortr.prompts import chat_inputs
 
 # Colour-bar labels of the score column, by rule; other rules get their name.
 SCORE_LABELS = {
@@ -88,35 +89,6 @@ def scores_to_grid(values: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
             f"{tuple(values.shape)} values do not fill a {rows}x{cols} token grid ({rows * cols} tokens)"
         )
     return values.reshape(rows, cols)
-
-
-def chat_inputs(processor: Any, image: Any, prompt: str, model: nn.Module) -> dict:
-    """The processor's chat-template inputs for one image and one question, on the model's device.
-
-    The question must be real text: with none, the posterior P would average the chat template's own
-    tokens and pruning would run on them without a word; an image placeholder typed into it would ask
-    for a second image.
-    """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(
-            f"the prompt is empty ({prompt!r}): the methods rank the image by the instruction's attention, "
-            "so pass the question to ask about the image"
-        )
-    placeholders = {getattr(processor, name, None) for name in ("image_token", "video_token")} - {None, ""}
-    typed = sorted(token for token in placeholders if token in prompt)
-    if typed:
-        raise ValueError(
-            f"the prompt contains {', '.join(map(repr, typed))}: the chat template places the image itself; "
-            "pass the question text only"
-        )
-    content = [{"type": "image", "image": image}, {"type": "text", "text": prompt}]
-    return processor.apply_chat_template(
-        [{"role": "user", "content": content}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        return_tensors="pt",
-    ).to(model.device, dtype=model.dtype)  # only floating tensors (pixels) are cast
 
 
 def attention_maps(

@@ -16,10 +16,10 @@ from functools import cache
 
 from PIL import Image
 
-from priortr.testbed import scenes
+from priortr.calibrate import Prompt
+from priortr.testbed import SPLITS, scenes
 
 SCENE_TEST_SIZE = 400
-SPLITS = ("scenes-test", "easy-vqa-test", "scenes-train")
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,11 @@ def iter_images(samples: list[Sample]) -> Iterator[tuple[Sample, Image.Image]]:
         if (sample.source, sample.image_id) != last:
             last, image = (sample.source, sample.image_id), sample.image()
         yield sample, image
+
+
+def split_prompts(name: str, limit: int | None = None) -> list[Prompt]:
+    """A named split as ``priortr calibrate`` prompts; its reference answers are not read."""
+    return [
+        Prompt(f"{sample.image_id}#{sample.kind}", sample.question, sample.image)
+        for sample in load_split(name, limit)
+    ]

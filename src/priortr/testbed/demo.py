@@ -16,10 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-from priortr import viz
+from priortr import loading, viz
 from priortr.adapters import adapter_for
 from priortr.calibrate import Calibrator, Prompt, Setting
 from priortr.config_file import read_config
@@ -48,11 +45,10 @@ class Row:
     mean_kept: float
 
 
-def load(dtype: torch.dtype = torch.float32):
-    """The assembled testbed (model, processor), building it on first use."""
-    directory = assemble.checkpoint()
-    model = LlavaForConditionalGeneration.from_pretrained(directory, dtype=dtype).eval()
-    return model, AutoProcessor.from_pretrained(directory)
+def load(dtype: str = "float32") -> tuple[Any, Any]:
+    """The assembled testbed (model, processor) on the CPU, building it on first use."""
+    processor, model = loading.load(str(assemble.checkpoint()), dtype, "cpu")
+    return model, processor
 
 
 def demo_sample() -> Sample:

@@ -24,11 +24,9 @@ from tqdm import tqdm
 from priortr.api import apply
 from priortr.journal import Journal
 from priortr.methods import get_method
+from priortr.prompts import prompt_text
+from priortr.testbed import DEFAULT_BUDGETS, DEFAULT_METHODS, VANILLA
 from priortr.testbed.data import Sample, iter_images
-
-VANILLA = "vanilla"
-DEFAULT_METHODS = (VANILLA, "random", "fastv", "posterior", "priortr")
-DEFAULT_BUDGETS = (192, 128, 64, 32)
 
 
 @dataclass
@@ -188,11 +186,6 @@ def first_word(reply: str) -> str:
 def is_correct(sample: Sample, reply: str) -> bool:
     """The reply's first word is the reference answer (case-insensitive)."""
     return first_word(reply) == sample.answer.lower()
-
-
-def prompt_text(processor: Any, question: str) -> str:
-    content = [{"type": "image"}, {"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
 def answer(model: nn.Module, processor: Any, pairs: Sequence[tuple[Sample, Any]], max_new_tokens: int = 4):
