@@ -165,8 +165,9 @@ def test_ratio_budgets_and_json_report():
 
 def test_each_method_is_counted_at_the_layer_apply_scores_by_default():
     assert flops.DEFAULT_LAYER is priortr.engine.config.DEFAULT_LAYER
-    assert flops.default_layer("priortr") == flops.DEFAULT_LAYER == 2
-    assert flops.default_layer("fastv") == priortr.get_method("fastv").layer == 1
+    assert priortr.get_method("priortr").default_layer == flops.DEFAULT_LAYER == 2
+    assert priortr.get_method("fastv").default_layer == priortr.get_method("fastv").layer == 1
+    assert priortr.get_method("visionzip").default_layer is None
     report = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv", "pdrop"])
     layers = {row["method"]: (row["layer"], row["full_layers"]) for row in report["rows"]}
     assert layers == {"priortr": (2, 3), "fastv": (1, 2), "pdrop": (None, None)}

@@ -195,7 +195,7 @@ def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
             raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
         return DEFAULT_LAYER
     if layer is None:
-        layer = DEFAULT_LAYER if info.layer is None else info.layer
+        layer = info.default_layer
     if not _is_int(layer) or not 0 <= layer <= n_layers - 2:
         raise ValueError(
             f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "

@@ -30,7 +30,7 @@ paper's L ("full layers", ``full_layers`` here) is ``layer + 1``; ``layer=2`` me
 ``K=2`` means two full layers (L = 2), as does the paper's Eq. with L = 2. The engine prunes the KV
 cache of layers ``0 .. layer`` as well, so every layer caches text + K tokens after a pruned prefill.
 Without a ``layer``, each method is counted at the layer ``priortr.apply`` scores for it by default
-(``default_layer``: PriorTR ``DEFAULT_LAYER`` = 2, FastV its registered 1), so a report's rows are
+(``MethodInfo.default_layer``: PriorTR ``DEFAULT_LAYER`` = 2, FastV its registered 1), so a report's rows are
 what the library runs.
 
 The paper's own FLOPs and KV-cache columns, and the assumptions that reproduce them, are not part of
@@ -53,9 +53,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr.configs import load_config
-from priortr.engine.config import DEFAULT_LAYER
 from priortr.methods import get_method
 from priortr.methods.pdrop import pyramid_stages
+from priortr.methods.registry import DEFAULT_LAYER
 from priortr.scoring import resolve_budget
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
@@ -392,13 +392,6 @@ def scheduled_prefill_flops(
     return sum(decoder_layer_flops(text, text_tokens + count, exact=exact) for count in counts)
 
 
-def default_layer(method: str) -> int:
-    """The layer ``priortr.apply`` scores for ``method`` when none is named: the one the method registers
-    (its paper's setting: FastV 1), else the library's ``DEFAULT_LAYER`` (2)."""
-    registered = get_method(method).layer
-    return DEFAULT_LAYER if registered is None else registered
-
-
 def method_profile(
     method: str, kept: int, shape: ModelShape, n_visual: int, layer: int, full_layers: int | None = None
 ) -> LayerProfile:
@@ -541,9 +534,10 @@ def flops_report(
 
     ``config``: a config, a shipped name or a checkpoint path. ``budgets``: token counts K or ratios
     in (0, 1) of the image's tokens (as ``priortr.apply``). ``layer``: this package's 0-indexed scored
-    layer for every one-layer method; None, as ``priortr.apply``, gives each its own (``default_layer``:
-    PriorTR 2, FastV 1). ``full_layers`` overrides ``layer + 1``. ``terms``: the terms summed into
-    ``total`` and the percentage (all by default). The KV cache is reported for ``dtype_bytes``.
+    layer for every one-layer method; None, as ``priortr.apply``, gives each its own
+    (``MethodInfo.default_layer``: PriorTR 2, FastV 1). ``full_layers`` overrides ``layer + 1``.
+    ``terms``: the terms summed into ``total`` and the percentage (all by default). The KV cache is
+    reported for ``dtype_bytes``.
     Each row names its scored ``layer`` and ``full_layers`` (None for PyramidDrop's own stages) and
     its ``cuts`` (``LayerProfile``).
     """
@@ -615,7 +609,7 @@ def _scored_layer(method: str, layer: int | None, full_layers: int | None, n_lay
     if full_layers is not None:
         layer = full_layers - 1
     elif layer is None:
-        layer = default_layer(method)
+        layer = get_method(method).default_layer
     if not 0 <= layer <= n_layers - 2:
         raise ValueError(f"layer must be in [0, {n_layers - 2}], got {layer}")
     return layer
@@ -684,7 +678,6 @@ __all__ = [
     "cache_bytes",
     "decode_flops",
     "decoder_layer_flops",
-    "default_layer",
     "flops_report",
     "format_table",
     "inference_flops",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from priortr.methods import MethodInfo
+from priortr.methods.registry import DEFAULT_LAYER as DEFAULT_LAYER
 from priortr.pools import split_count
 from priortr.scoring import resolve_budget
 
@@ -13,8 +14,6 @@ POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
 HEAD_AGGREGATIONS = ("mean", "max")
 BEFORE_LLM = -1
 """The stage layer of methods that prune the language model's input embeddings (``where='vision'``)."""
-DEFAULT_LAYER = 2
-"""The decoder layer one-layer methods score unless told otherwise (the paper scores early, Sec. 4)."""
 
 
 class PruningSkippedWarning(UserWarning):

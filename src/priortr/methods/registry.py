@@ -22,6 +22,9 @@ from priortr.scoring import Evidence
 from priortr.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
+DEFAULT_LAYER = 2
+"""The decoder layer a one-layer method scores when neither it nor the caller names one (the paper's
+setting for LLaVA-1.5: it scores early, Sec. 4)."""
 NEEDS = (
     "attention",
     "text_rows",
@@ -65,7 +68,7 @@ class MethodInfo:
         schedule: the stages of a ``layers`` method; None runs one stage.
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
         layer: the scored layer of a ``layer`` method when the caller names none (its paper's setting);
-            None: the library's default (``engine.config.DEFAULT_LAYER``).
+            None: the library's ``DEFAULT_LAYER``.
     """
 
     name: str
@@ -77,6 +80,14 @@ class MethodInfo:
     schedule: Schedule | None = None
     rule: Rule | None = None
     layer: int | None = None
+
+    @property
+    def default_layer(self) -> int | None:
+        """The layer ``priortr.apply`` scores when the caller names none; None for a method that prunes
+        before the language model or on its own schedule."""
+        if self.where != "layer":
+            return None
+        return DEFAULT_LAYER if self.layer is None else self.layer
 
     @property
     def knobs(self) -> dict[str, object]:
