@@ -23,8 +23,8 @@ from tests.helpers.tiny_llava_family import (
     IMAGE_ID,
     RAGGED_SIZES,
     VIDEO_ID,
-    _anyres_pixels,
-    _feature_lengths,
+    anyres_pixels,
+    feature_lengths,
     llava_next_batch,
     llava_next_ragged_batch,
     llava_onevision_batch,
@@ -122,8 +122,8 @@ def test_anyres_token_count_matches_the_model(models, family):
     equal what ``get_image_features`` produces, over sizes of every aspect ratio."""
     model, adapter = models[family], ADAPTERS[family]()
     sizes = [*RAGGED_SIZES, (20, 150), (150, 20), (61, 33), (84, 84), (100, 50)]
-    pixels = _anyres_pixels(model, sizes, torch.Generator().manual_seed(0))
-    truth = _feature_lengths(model, pixel_values=pixels, image_sizes=torch.tensor(sizes))
+    pixels = anyres_pixels(model, sizes, torch.Generator().manual_seed(0))
+    truth = feature_lengths(model, pixel_values=pixels, image_sizes=torch.tensor(sizes))
     assert [adapter.anyres_tokens(model.config, *s) for s in sizes] == truth
     crops = [adapter.anyres_crops(model.config, *s) for s in sizes]
     assert max(crops) == pixels.shape[1] and len(set(truth)) > 5

@@ -41,7 +41,7 @@ LLAVA_IMAGE_ID = 199
 QWEN_VISION_START_ID, QWEN_VISION_END_ID, QWEN_VIDEO_ID, QWEN_IMAGE_ID = 195, 196, 197, 198
 
 # Shared tiny text-model sizes: head_dim = 64 / 4 = 16, so M-RoPE sections must sum to 8.
-_TEXT = {
+TEXT_CONFIG = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -58,7 +58,7 @@ LLAVA_IMAGE_SIZE, LLAVA_PATCH_SIZE = 28, 7
 LLAVA_N_VISUAL = (LLAVA_IMAGE_SIZE // LLAVA_PATCH_SIZE) ** 2  # 16 patch tokens (CLS dropped by "default")
 
 
-def _finish(model: PreTrainedModel, attn: str) -> PreTrainedModel:
+def finish_model(model: PreTrainedModel, attn: str) -> PreTrainedModel:
     """Put ``model`` in eval mode and check that ``attn`` reached both sub-models."""
     model.eval()
     for cfg in (model.config, model.config.text_config, model.config.vision_config):
@@ -88,7 +88,7 @@ def tiny_llava(
     )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=LlamaConfig(**{**_TEXT, **(text or {})}),
+        text_config=LlamaConfig(**{**TEXT_CONFIG, **(text or {})}),
         image_token_id=LLAVA_IMAGE_ID,
         image_seq_length=(image_size // patch_size) ** 2,
         vision_feature_select_strategy="default",
@@ -97,16 +97,17 @@ def tiny_llava(
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def _qwen_text(**extra: Any) -> dict[str, Any]:
     """Text-config kwargs shared by the two Qwen builders (M-RoPE sections 2+3+3 = head_dim / 2)."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    return {**_TEXT, "rope_parameters": rope, **extra}
+    return {**TEXT_CONFIG, "rope_parameters": rope, **extra}
 
 
-def _qwen_ids() -> dict[str, int]:
+def qwen_special_ids() -> dict[str, int]:
+    """The Qwen-VL config's image, video and vision start/end token ids."""
     return {
         "image_token_id": QWEN_IMAGE_ID,
         "video_token_id": QWEN_VIDEO_ID,
@@ -122,17 +123,19 @@ def tiny_qwen2_vl(
     vision = {
         "depth": 2,
         "embed_dim": 32,
-        "hidden_size": _TEXT["hidden_size"],  # Qwen2-VL: merger output size = text hidden size
+        "hidden_size": TEXT_CONFIG["hidden_size"],  # Qwen2-VL: merger output size = text hidden size
         "num_heads": 2,
         "mlp_ratio": 2,
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
     }
-    config = Qwen2VLConfig(text_config=_qwen_text(), vision_config=vision, pad_token_id=PAD_ID, **_qwen_ids())
+    config = Qwen2VLConfig(
+        text_config=_qwen_text(), vision_config=vision, pad_token_id=PAD_ID, **qwen_special_ids()
+    )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def tiny_qwen2_5_vl(
@@ -144,7 +147,7 @@ def tiny_qwen2_5_vl(
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "out_hidden_size": _TEXT["hidden_size"],
+        "out_hidden_size": TEXT_CONFIG["hidden_size"],
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
@@ -152,11 +155,11 @@ def tiny_qwen2_5_vl(
         "fullatt_block_indexes": [1],
     }
     config = Qwen2_5_VLConfig(
-        text_config=_qwen_text(), vision_config=vision, pad_token_id=PAD_ID, **_qwen_ids()
+        text_config=_qwen_text(), vision_config=vision, pad_token_id=PAD_ID, **qwen_special_ids()
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 @dataclass
@@ -224,7 +227,7 @@ class Batch:
         return {key: value for key, value in {**out, **self.extra}.items() if value is not None}
 
 
-def _row_lengths(spec: Sequence[int], batch_size: int) -> list[int]:
+def row_lengths(spec: Sequence[int], batch_size: int) -> list[int]:
     """Per-row text lengths: ``spec[r]`` where given, else the last entry + 2 per extra row.
 
     So the default ``(3,)`` gives rows of 3, 5, 7, ... tokens: different rows differ in length,
@@ -234,11 +237,12 @@ def _row_lengths(spec: Sequence[int], batch_size: int) -> list[int]:
     return [spec[r] if r < len(spec) else spec[-1] + 2 * (r - len(spec) + 1) for r in range(batch_size)]
 
 
-def _text(n: int, gen: torch.Generator) -> list[int]:
+def random_text(n: int, gen: torch.Generator) -> list[int]:
+    """``n`` text ids drawn from ``[TEXT_LO, TEXT_HI)``."""
     return torch.randint(TEXT_LO, TEXT_HI, (n,), generator=gen).tolist()
 
 
-def _left_pad(
+def left_pad(
     rows: list[list[int]], visual_ranges: list[tuple[int, int]]
 ) -> tuple[torch.LongTensor, torch.LongTensor, list[int], list[int]]:
     """Left-pad ``rows`` with ``PAD_ID``; shift the per-row visual ranges accordingly."""
@@ -255,7 +259,7 @@ def _left_pad(
     return ids, mask, starts, ends
 
 
-def _row_generator(seed: int, row: int) -> torch.Generator:
+def row_generator(seed: int, row: int) -> torch.Generator:
     """Row ``row``'s own generator, so a row's content does not depend on the batch size."""
     return torch.Generator().manual_seed(1000 * seed + row)
 
@@ -273,23 +277,23 @@ def llava_batch(
 
     Row ``r``'s tokens and pixels depend only on ``(seed, r)``: row 0 of a 2-row batch is the
     1-row batch plus left padding. ``a``/``b`` per row come from ``text_before``/``text_after``
-    (see ``_row_lengths``). With several images per row the span fields stay empty and
+    (see ``row_lengths``). With several images per row the span fields stay empty and
     ``visual_ids`` finds the visual tokens.
     """
     n_visual = model.config.image_seq_length
     size = model.config.vision_config.image_size
     rows, ranges, pixels = [], [], []
-    lengths = zip(_row_lengths(text_before, batch_size), _row_lengths(text_after, batch_size), strict=True)
+    lengths = zip(row_lengths(text_before, batch_size), row_lengths(text_after, batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
-        gen = _row_generator(seed, r)
+        gen = row_generator(seed, r)
         start = 1 + a
-        row = [BOS_ID, *_text(a, gen), *[LLAVA_IMAGE_ID] * n_visual]
+        row = [BOS_ID, *random_text(a, gen), *[LLAVA_IMAGE_ID] * n_visual]
         for _ in range(images - 1):
-            row += [*_text(2, gen), *[LLAVA_IMAGE_ID] * n_visual]
-        rows.append([*row, *_text(1 + b, gen)])
+            row += [*random_text(2, gen), *[LLAVA_IMAGE_ID] * n_visual]
+        rows.append([*row, *random_text(1 + b, gen)])
         ranges.append((start, start + n_visual))
         pixels += [torch.randn((3, size, size), generator=gen) for _ in range(images)]
-    ids, mask, starts, ends = _left_pad(rows, ranges)
+    ids, mask, starts, ends = left_pad(rows, ranges)
     if images > 1:
         return Batch(
             ids,
@@ -325,18 +329,18 @@ def qwen_batch(
     merge = vc.spatial_merge_size
     patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
     rows, ranges, pixels = [], [], []
-    lengths = zip(_row_lengths(text_before, batch_size), _row_lengths(text_after, batch_size), strict=True)
+    lengths = zip(row_lengths(text_before, batch_size), row_lengths(text_after, batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
         t, h, w = grids[r]
         assert h % merge == 0 and w % merge == 0, grids[r]
         n_visual = t * h * w // merge**2
-        gen = _row_generator(seed, r)
+        gen = row_generator(seed, r)
         start = a + 1
         image = [QWEN_VISION_START_ID, *[QWEN_IMAGE_ID] * n_visual, QWEN_VISION_END_ID]
-        rows.append([*_text(a, gen), *image, *_text(b, gen)])
+        rows.append([*random_text(a, gen), *image, *random_text(b, gen)])
         ranges.append((start, start + n_visual))
         pixels.append(torch.randn((t * h * w, patch_dim), generator=gen))
-    ids, mask, starts, ends = _left_pad(rows, ranges)
+    ids, mask, starts, ends = left_pad(rows, ranges)
     counts = {end - start for start, end in ranges}
     return Batch(
         ids,

@@ -30,15 +30,15 @@ from transformers import (
 )
 
 from tests.helpers.tiny import (
-    _TEXT,
     BOS_ID,
     PAD_ID,
+    TEXT_CONFIG,
     Batch,
-    _finish,
-    _left_pad,
-    _row_generator,
-    _row_lengths,
-    _text,
+    finish_model,
+    left_pad,
+    random_text,
+    row_generator,
+    row_lengths,
 )
 
 # InternVL special ids: <IMG_CONTEXT> (config.image_token_id), <img>, </img>.
@@ -68,7 +68,7 @@ def tiny_internvl(
         "image_size": INTERNVL_IMAGE_SIZE,
         "patch_size": INTERNVL_PATCH_SIZE,
     }
-    text_config = Qwen3Config(**_TEXT, head_dim=16) if text == "qwen3" else Qwen2Config(**_TEXT)
+    text_config = Qwen3Config(**TEXT_CONFIG, head_dim=16) if text == "qwen3" else Qwen2Config(**TEXT_CONFIG)
     config = InternVLConfig(
         vision_config=vision,
         text_config=text_config,
@@ -80,7 +80,7 @@ def tiny_internvl(
     )
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def _smolvlm_config(config_class: type, vision_model_type: str) -> Idefics3Config | SmolVLMConfig:
@@ -95,7 +95,7 @@ def _smolvlm_config(config_class: type, vision_model_type: str) -> Idefics3Confi
     }
     return config_class(
         vision_config=vision,
-        text_config=LlamaConfig(**_TEXT),
+        text_config=LlamaConfig(**TEXT_CONFIG),
         image_token_id=SMOLVLM_IMAGE_ID,
         scale_factor=SMOLVLM_SCALE,
         pad_token_id=PAD_ID,
@@ -110,7 +110,7 @@ def tiny_smolvlm(
     config = _smolvlm_config(SmolVLMConfig, "smolvlm_vision")
     torch.manual_seed(seed)
     model = SmolVLMForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def tiny_idefics3(
@@ -120,7 +120,7 @@ def tiny_idefics3(
     config = _smolvlm_config(Idefics3Config, "idefics3_vision")
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 # ---- InternVL batches ----------------------------------------------------------------------------------
@@ -141,21 +141,21 @@ def _internvl_rows(
     size = model.config.vision_config.image_size[0]
     batch_size = len(tiles)
     rows, ranges, pixels = [], [], []
-    lengths = zip(_row_lengths(text_before, batch_size), _row_lengths(text_after, batch_size), strict=True)
+    lengths = zip(row_lengths(text_before, batch_size), row_lengths(text_after, batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
-        gen = _row_generator(seed, r)
-        row = [BOS_ID, *_text(a, gen)]
+        gen = row_generator(seed, r)
+        row = [BOS_ID, *random_text(a, gen)]
         first = None
         for i, count in enumerate(tiles[r]):
             if i:
-                row += _text(2, gen)  # "\nImage-2: " between images
+                row += random_text(2, gen)  # "\nImage-2: " between images
             start = len(row) + 1
             row += [INTERNVL_START_ID, *[INTERNVL_IMAGE_ID] * (n_tile * count), INTERNVL_END_ID]
             first = first or (start, start + n_tile * count)
             pixels.append(torch.randn((count, 3, size, size), generator=gen))
-        rows.append(row + _text(b, gen))
+        rows.append(row + random_text(b, gen))
         ranges.append(first)
-    ids, mask, starts, ends = _left_pad(rows, ranges)
+    ids, mask, starts, ends = left_pad(rows, ranges)
     spans = list(zip(starts, ends, strict=True))
     return ids, mask, torch.cat(pixels).to(model.dtype), spans
 
@@ -230,18 +230,18 @@ def _smolvlm_batch(
     size = model.config.vision_config.image_size
     batch_size = len(grids)
     rows, images = [], []
-    lengths = zip(_row_lengths(text_before, batch_size), _row_lengths(text_after, batch_size), strict=True)
+    lengths = zip(row_lengths(text_before, batch_size), row_lengths(text_after, batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
-        gen = _row_generator(seed, r)
-        row, count = [BOS_ID, *_text(a, gen)], 0
+        gen = row_generator(seed, r)
+        row, count = [BOS_ID, *random_text(a, gen)], 0
         for i, (n_rows, n_cols) in enumerate(grids[r]):
             if i:
-                row += _text(2, gen)
+                row += random_text(2, gen)
             row += smolvlm_image_ids((n_rows, n_cols))
             count += n_rows * n_cols + 1
-        rows.append(row + _text(b, gen))
+        rows.append(row + random_text(b, gen))
         images.append(torch.randn((count, 3, size, size), generator=gen))
-    ids, mask, _, _ = _left_pad(rows, [(0, 0)] * batch_size)
+    ids, mask, _, _ = left_pad(rows, [(0, 0)] * batch_size)
     most = max(x.shape[0] for x in images)
     pixels = torch.zeros(batch_size, most, 3, size, size)
     pixel_mask = torch.zeros(batch_size, most, size, size, dtype=torch.bool)

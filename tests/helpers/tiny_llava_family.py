@@ -1,11 +1,11 @@
 """Tiny LLaVA-NeXT, LLaVA-OneVision and Video-LLaVA models and their batches (see ``tests/helpers/tiny.py``).
 
 Same conventions as ``tests/helpers/tiny.py``: random weights from a seed, a 4-layer text model of the shared
-``_TEXT`` sizes, vocabulary ``VOCAB`` with the special ids at the top, left-padded rows of different
+``TEXT_CONFIG`` sizes, vocabulary ``VOCAB`` with the special ids at the top, left-padded rows of different
 text lengths, row ``r`` depending only on ``(seed, r)``. Every vision tower sees 28 x 28 crops in 7 x 7
 patches: 16 patch tokens per crop.
 
-Visual-token counts are not computed here by a formula: ``_feature_lengths`` asks the model's own
+Visual-token counts are not computed here by a formula: ``feature_lengths`` asks the model's own
 ``get_image_features`` / ``get_video_features`` how many features each image or video yields, so the
 placeholder runs always match what ``forward`` scatters (a mismatch raises inside transformers).
 """
@@ -35,16 +35,16 @@ from transformers import (
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from tests.helpers.tiny import (
-    _TEXT,
     BOS_ID,
     LLAVA_IMAGE_ID,
     PAD_ID,
+    TEXT_CONFIG,
     Batch,
-    _finish,
-    _left_pad,
-    _row_generator,
-    _row_lengths,
-    _text,
+    finish_model,
+    left_pad,
+    random_text,
+    row_generator,
+    row_lengths,
 )
 
 IMAGE_ID = LLAVA_IMAGE_ID  # 199
@@ -70,7 +70,7 @@ def _tower(config_class: type, **extra) -> PreTrainedConfig:
 
 def _build(model_class: type, config, attn: str, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     torch.manual_seed(seed)
-    return _finish(model_class._from_config(config, attn_implementation=attn, dtype=dtype), attn)
+    return finish_model(model_class._from_config(config, attn_implementation=attn, dtype=dtype), attn)
 
 
 def tiny_llava_next(
@@ -79,7 +79,7 @@ def tiny_llava_next(
     """A 4-layer Llama + 2-layer CLIP LLaVA-NeXT; AnyRes tiles of 28 px on LLaVA-NeXT's pinpoint shapes."""
     config = LlavaNextConfig(
         vision_config=_tower(CLIPVisionConfig, projection_dim=32),
-        text_config=LlamaConfig(**_TEXT),
+        text_config=LlamaConfig(**TEXT_CONFIG),
         image_token_id=IMAGE_ID,
         image_grid_pinpoints=NEXT_PINPOINTS,
         image_seq_length=(CROP // PATCH) ** 2,
@@ -96,7 +96,7 @@ def tiny_llava_onevision(
     """A 4-layer Qwen2 + 2-layer SigLIP LLaVA-OneVision (no [CLS]: ``full`` features of the last layer)."""
     config = LlavaOnevisionConfig(
         vision_config=_tower(SiglipVisionConfig, vision_use_head=False),
-        text_config=Qwen2Config(**_TEXT),
+        text_config=Qwen2Config(**TEXT_CONFIG),
         image_token_id=IMAGE_ID,
         video_token_id=VIDEO_ID,
         image_grid_pinpoints=OV_PINPOINTS,
@@ -116,7 +116,7 @@ def tiny_video_llava(
     n_patches = (CROP // PATCH) ** 2
     config = VideoLlavaConfig(
         vision_config=_tower(CLIPVisionConfig, projection_dim=32),
-        text_config=LlamaConfig(**_TEXT),
+        text_config=LlamaConfig(**TEXT_CONFIG),
         image_token_id=IMAGE_ID,
         video_token_id=VIDEO_ID,
         image_seq_length=n_patches,
@@ -131,7 +131,7 @@ def tiny_video_llava(
 # -- inputs ------------------------------------------------------------------------------------------
 
 
-def _feature_lengths(model: PreTrainedModel, **inputs) -> list[int]:
+def feature_lengths(model: PreTrainedModel, **inputs) -> list[int]:
     """Visual tokens per image (``pixel_values``) or per video (``pixel_values_videos``), by the model."""
     with torch.no_grad():
         if "pixel_values_videos" in inputs:
@@ -146,7 +146,7 @@ def _feature_lengths(model: PreTrainedModel, **inputs) -> list[int]:
     return [int(f.shape[0]) for f in features]
 
 
-def _anyres_pixels(
+def anyres_pixels(
     model: PreTrainedModel, sizes: Sequence[tuple[int, int]], gen: torch.Generator
 ) -> torch.Tensor:
     """[images, max crops, 3, 28, 28] random crops, zero-padded to the most crops, as the processor pads."""
@@ -168,33 +168,33 @@ def _row(
 ) -> list[int]:
     """``[bos, text x before, item, text x between, item, ..., text x (1 + after)]``; an item is
     ``(placeholder id, count)``. Every item is followed by a text token, its separator."""
-    row = [BOS_ID, *_text(before, gen)]
+    row = [BOS_ID, *random_text(before, gen)]
     for index, (token_id, count) in enumerate(items):
         row += [token_id] * count
-        row += _text(1 + after if index == len(items) - 1 else between, gen)
+        row += random_text(1 + after if index == len(items) - 1 else between, gen)
     return row
 
 
 def _lengths(batch_size: int) -> Iterator[tuple[int, int]]:
     """Per row, (text before, text after) as ``llava_batch`` draws them: (3, 5), (5, 7), ..."""
-    return zip(_row_lengths((3,), batch_size), _row_lengths((5,), batch_size), strict=True)
+    return zip(row_lengths((3,), batch_size), row_lengths((5,), batch_size), strict=True)
 
 
 def _one_run_batch(rows: list[list[int]], token_id: int, n_visual: int, pixels, **fields) -> Batch:
     """A batch whose rows hold one run of ``n_visual`` ``token_id`` each (spans filled)."""
     starts = [row.index(token_id) for row in rows]
-    ids, mask, starts, ends = _left_pad(rows, [(s, s + n_visual) for s in starts])
+    ids, mask, starts, ends = left_pad(rows, [(s, s + n_visual) for s in starts])
     return Batch(ids, mask, pixels, starts, ends, n_visual, **fields)
 
 
 def _anyres_batch(model, batch_size: int, size: tuple[int, int], seed: int, **extra) -> Batch:
     """One ``size`` image per row, every row the same AnyRes token count."""
     sizes = torch.tensor([size] * batch_size)
-    pixels = torch.cat([_anyres_pixels(model, [size], _row_generator(seed, r)) for r in range(batch_size)])
+    pixels = torch.cat([anyres_pixels(model, [size], row_generator(seed, r)) for r in range(batch_size)])
     first = {key: value[:1] for key, value in extra.items()}
-    n_visual = _feature_lengths(model, pixel_values=pixels[:1], image_sizes=sizes[:1], **first)[0]
+    n_visual = feature_lengths(model, pixel_values=pixels[:1], image_sizes=sizes[:1], **first)[0]
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, n_visual))
+        _row(row_generator(seed + 1, r), a, b, (IMAGE_ID, n_visual))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
     return _one_run_batch(rows, IMAGE_ID, n_visual, pixels, extra={"image_sizes": sizes, **extra})
@@ -231,27 +231,27 @@ def llava_next_ragged_batch(
     """
     sizes = RAGGED_SIZES[:batch_size]
     assert len(sizes) == batch_size, f"at most {len(RAGGED_SIZES)} ragged rows"
-    stacks = [_anyres_pixels(model, [size], _row_generator(seed, r))[0] for r, size in enumerate(sizes)]
+    stacks = [anyres_pixels(model, [size], row_generator(seed, r))[0] for r, size in enumerate(sizes)]
     pixels = torch.nn.utils.rnn.pad_sequence(stacks, batch_first=True)  # zero crops after each image's own
     image_sizes = torch.tensor(sizes)
-    counts = _feature_lengths(model, pixel_values=pixels, image_sizes=image_sizes)
+    counts = feature_lengths(model, pixel_values=pixels, image_sizes=image_sizes)
     assert len(set(counts)) == batch_size, counts
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, counts[r]))
+        _row(row_generator(seed + 1, r), a, b, (IMAGE_ID, counts[r]))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
-    ids, mask, _, _ = _left_pad(rows, [(0, 0)] * batch_size)
+    ids, mask, _, _ = left_pad(rows, [(0, 0)] * batch_size)
     return Batch(ids, mask, pixels, [], [], 0, visual_ids=(IMAGE_ID,), extra={"image_sizes": image_sizes})
 
 
 def _video_batch(model, batch_size: int, seed: int) -> Batch:
     """One video per row, then an instruction; ``pixel_values_videos`` in ``extra``, no images."""
-    videos = torch.cat([_frames(model, 1, _row_generator(seed, r)) for r in range(batch_size)])
-    n_visual = _feature_lengths(model, pixel_values_videos=videos[:1])[0]
+    videos = torch.cat([_frames(model, 1, row_generator(seed, r)) for r in range(batch_size)])
+    n_visual = feature_lengths(model, pixel_values_videos=videos[:1])[0]
     if model.config.model_type == "llava_onevision" and Version(transformers.__version__) < Version("5.23"):
         n_visual += 1  # older releases append the video's image_newline in forward, not get_video_features
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (VIDEO_ID, n_visual))
+        _row(row_generator(seed + 1, r), a, b, (VIDEO_ID, n_visual))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
     return _one_run_batch(
@@ -285,10 +285,10 @@ def video_llava_batch(model: VideoLlavaForConditionalGeneration, batch_size: int
     """One image per row (16 ``<image>`` tokens, the [CLS] dropped), then an instruction."""
     n_visual = model.config.image_seq_length
     pixels = torch.cat(
-        [torch.randn(1, 3, CROP, CROP, generator=_row_generator(seed, r)) for r in range(batch_size)]
+        [torch.randn(1, 3, CROP, CROP, generator=row_generator(seed, r)) for r in range(batch_size)]
     ).to(model.dtype)
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, n_visual))
+        _row(row_generator(seed + 1, r), a, b, (IMAGE_ID, n_visual))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
     images = _video_llava_images(model, pixels)
@@ -302,17 +302,17 @@ def llava_onevision_multi_image_batch(
     each image as its base crop only, plus one newline: 17 ``<image>`` tokens each, whatever its size."""
     sizes = [(40, 60), (60, 40)] * batch_size
     pixels = torch.cat(
-        [_anyres_pixels(model, sizes[:2], _row_generator(seed, r))[:, :1] for r in range(batch_size)]
+        [anyres_pixels(model, sizes[:2], row_generator(seed, r))[:, :1] for r in range(batch_size)]
     )
     per_row = torch.full((batch_size,), 2, dtype=torch.long)
-    counts = _feature_lengths(
+    counts = feature_lengths(
         model, pixel_values=pixels, image_sizes=torch.tensor(sizes), batch_num_images=per_row
     )
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, counts[2 * r]), (IMAGE_ID, counts[2 * r + 1]))
+        _row(row_generator(seed + 1, r), a, b, (IMAGE_ID, counts[2 * r]), (IMAGE_ID, counts[2 * r + 1]))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
-    ids, mask, _, _ = _left_pad(rows, [(0, 0)] * batch_size)
+    ids, mask, _, _ = left_pad(rows, [(0, 0)] * batch_size)
     extra = {"image_sizes": torch.tensor(sizes), "batch_num_images": per_row}
     return Batch(ids, mask, pixels, [], [], sum(counts[:2]), visual_ids=(IMAGE_ID,), extra=extra)
 
@@ -322,16 +322,16 @@ def video_llava_multi_image_batch(
 ) -> Batch:
     """An image, text, then a video and an instruction in every row: 16 ``<image>`` + 34 ``<video>``."""
     pixels = torch.cat(
-        [torch.randn(1, 3, CROP, CROP, generator=_row_generator(seed, r)) for r in range(batch_size)]
+        [torch.randn(1, 3, CROP, CROP, generator=row_generator(seed, r)) for r in range(batch_size)]
     ).to(model.dtype)
-    videos = torch.cat([_frames(model, 1, _row_generator(seed + 2, r)) for r in range(batch_size)])
+    videos = torch.cat([_frames(model, 1, row_generator(seed + 2, r)) for r in range(batch_size)])
     n_image = model.config.image_seq_length
-    n_video = _feature_lengths(model, pixel_values_videos=videos[:1])[0]
+    n_video = feature_lengths(model, pixel_values_videos=videos[:1])[0]
     rows = [
-        _row(_row_generator(seed + 1, r), a, b, (IMAGE_ID, n_image), (VIDEO_ID, n_video))
+        _row(row_generator(seed + 1, r), a, b, (IMAGE_ID, n_image), (VIDEO_ID, n_video))
         for r, (a, b) in enumerate(_lengths(batch_size))
     ]
-    ids, mask, _, _ = _left_pad(rows, [(0, 0)] * batch_size)
+    ids, mask, _, _ = left_pad(rows, [(0, 0)] * batch_size)
     images = _video_llava_images(model, pixels)
     extra = {"pixel_values_videos": videos, **images["extra"]}
     return Batch(

@@ -29,19 +29,19 @@ from transformers import (
 )
 
 from tests.helpers.tiny import (
-    _TEXT,
     PAD_ID,
     QWEN_IMAGE_ID,
     QWEN_VIDEO_ID,
     QWEN_VISION_END_ID,
     QWEN_VISION_START_ID,
+    TEXT_CONFIG,
     Batch,
-    _finish,
-    _qwen_ids,
-    _row_generator,
-    _row_lengths,
-    _text,
+    finish_model,
     qwen_batch,
+    qwen_special_ids,
+    random_text,
+    row_generator,
+    row_lengths,
 )
 
 INJECTED_LAYERS = 2  # DeepStack features after vision blocks 0 and 2 -> decoder layers 0 and 1
@@ -57,7 +57,7 @@ _VISION = {
     "patch_size": 16,
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
-    "out_hidden_size": _TEXT["hidden_size"],
+    "out_hidden_size": TEXT_CONFIG["hidden_size"],
     "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to each image's grid
     "deepstack_visual_indexes": [0, 2],
 }
@@ -66,8 +66,8 @@ _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
 
 def _text_config(**extra) -> dict:
     return {
-        **_TEXT,
-        "head_dim": _TEXT["hidden_size"] // _TEXT["num_attention_heads"],
+        **TEXT_CONFIG,
+        "head_dim": TEXT_CONFIG["hidden_size"] // TEXT_CONFIG["num_attention_heads"],
         "rope_parameters": _ROPE,
         **extra,
     }
@@ -78,11 +78,11 @@ def tiny_qwen3_vl(
 ) -> Qwen3VLForConditionalGeneration:
     """A 4-layer Qwen3-VL with a 3-block vision tower (patch 16, 2x2 merge, 2 frames per patch)."""
     config = Qwen3VLConfig(
-        text_config=_text_config(), vision_config=_VISION, pad_token_id=PAD_ID, **_qwen_ids()
+        text_config=_text_config(), vision_config=_VISION, pad_token_id=PAD_ID, **qwen_special_ids()
     )
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def tiny_qwen3_vl_moe(
@@ -91,13 +91,13 @@ def tiny_qwen3_vl_moe(
     """``tiny_qwen3_vl`` with 4-expert top-2 MoE MLPs in decoder layers 1-3 (layer 0 keeps a dense MLP); the
     experts run eagerly, since the default grouped_mm kernel refuses float64."""
     config = Qwen3VLMoeConfig(
-        text_config=_text_config(**_MOE), vision_config=_VISION, pad_token_id=PAD_ID, **_qwen_ids()
+        text_config=_text_config(**_MOE), vision_config=_VISION, pad_token_id=PAD_ID, **qwen_special_ids()
     )
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration._from_config(
         config, attn_implementation=attn, dtype=dtype, experts_implementation="eager"
     )
-    return _finish(model, attn)
+    return finish_model(model, attn)
 
 
 def qwen3_vl_batch(
@@ -116,7 +116,7 @@ def _image(grid: Sequence[int], merge: int) -> list[int]:
 def _video(grid: Sequence[int], merge: int, gen: torch.Generator) -> list[int]:
     t, h, w = grid
     frame = [QWEN_VISION_START_ID, *[QWEN_VIDEO_ID] * (h * w // merge**2), QWEN_VISION_END_ID]
-    frames = [token for _ in range(t) for token in [*_text(TIMESTAMP_TOKENS, gen), *frame]]
+    frames = [token for _ in range(t) for token in [*random_text(TIMESTAMP_TOKENS, gen), *frame]]
     return [QWEN_VISION_START_ID, *frames, QWEN_VISION_END_ID]
 
 
@@ -131,11 +131,11 @@ def _segments_batch(model, rows: list[list[tuple[str, object]]], seed: int) -> B
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     token_rows, grids, pixels = [], {"image": [], "video": []}, {"image": [], "video": []}
     for r, segments in enumerate(rows):
-        gen = _row_generator(seed, r)
+        gen = row_generator(seed, r)
         tokens = []
         for kind, spec in segments:
             if kind == "text":
-                tokens += _text(spec, gen)
+                tokens += random_text(spec, gen)
                 continue
             tokens += _image(spec, merge) if kind == "image" else _video(spec, merge, gen)
             grids[kind].append(spec)
@@ -169,7 +169,7 @@ def _segments_batch(model, rows: list[list[tuple[str, object]]], seed: int) -> B
 
 def _text_lengths(batch_size: int) -> list[tuple[int, int]]:
     """Text before / after the visual part of each row: 3/5, 5/7, 7/9, ... (rows differ, so left padding)."""
-    return list(zip(_row_lengths((3,), batch_size), _row_lengths((5,), batch_size), strict=True))
+    return list(zip(row_lengths((3,), batch_size), row_lengths((5,), batch_size), strict=True))
 
 
 RAGGED_GRIDS = ((1, 4, 4), (1, 4, 6), (1, 6, 8))  # 4, 6 and 12 tokens
