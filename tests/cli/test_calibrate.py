@@ -23,15 +23,9 @@ from priortr.cli import main
 from priortr.config_file import read_config, write_config
 from priortr.flops import scheduled_prefill_flops
 from priortr.testbed.evaluate import prompt_text
-from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.tiny import LLAVA_N_VISUAL
 
 PROMPTS = ["what is in the image", "describe this picture", "what color is the cat", "is the cat red"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llava_checkpoint(tmp_path_factory.mktemp("calibrate") / "tiny-llava")
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from priortr.lmms_plugin import PADDING_KEY, PriorTRLMMs, cut_at_stop
-from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.lmms import BUDGET, N_VISUAL, TASK_DIR, lmms_eval_command
 from tests.helpers.lmms_task.utils import CHOICES, RECORDS, write_local_dataset
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llava_checkpoint(tmp_path_factory.mktemp("lmms") / "tiny-llava")
 
 
 def test_manifest_resolves_model_priortr() -> None:

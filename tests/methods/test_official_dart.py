@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import priortr
 from tests.helpers.layerwise import projections
-from tests.helpers.tiny import llava_batch, tiny_llava
+from tests.helpers.tiny import llava_batch
 
 PRUNED_LAYER = 2
 
@@ -76,30 +76,25 @@ def official_dart(
     return sorted(indices_set)
 
 
-@pytest.fixture(scope="module")
-def llava():
-    return tiny_llava(attn="eager")
-
-
 # 45 text tokens before the image put the pivots at positions 46-67, where a Python set (32 slots for
 # 8 integers) no longer iterates them in ascending order.
 @pytest.mark.parametrize("text_before", [3, 45])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dart_default_keeps_the_official_tokens(llava, seed, text_before):
-    batch = llava_batch(llava, 1, seed=seed, text_before=(text_before,))
-    expected = official_dart(llava, batch, max_num_trunction=8)  # 4 + 8 * 1 = 12 of 16
-    with priortr.apply(llava, method="dart", budget=len(expected)) as handle, torch.no_grad():
-        llava(**batch.kwargs())
+def test_dart_default_keeps_the_official_tokens(eager_llava, seed, text_before):
+    batch = llava_batch(eager_llava, 1, seed=seed, text_before=(text_before,))
+    expected = official_dart(eager_llava, batch, max_num_trunction=8)  # 4 + 8 * 1 = 12 of 16
+    with priortr.apply(eager_llava, method="dart", budget=len(expected)) as handle, torch.no_grad():
+        eager_llava(**batch.kwargs())
     assert [stage.layer for stage in handle.last.stages] == [PRUNED_LAYER - 1]
     assert handle.last.kept[0].tolist() == expected
 
 
-def test_the_visiting_order_matters(llava):
+def test_the_visiting_order_matters(eager_llava):
     """Negative control: visiting the pivots in ascending position order keeps another set on a prompt
     whose pivots wrap around the set's 32 slots (where its order is not ascending)."""
     differs = 0
     for seed in range(3):
-        batch = llava_batch(llava, 1, seed=seed, text_before=(45,))
-        official = official_dart(llava, batch, max_num_trunction=8)
-        differs += official != official_dart(llava, batch, max_num_trunction=8, visit=sorted)
+        batch = llava_batch(eager_llava, 1, seed=seed, text_before=(45,))
+        official = official_dart(eager_llava, batch, max_num_trunction=8)
+        differs += official != official_dart(eager_llava, batch, max_num_trunction=8, visit=sorted)
     assert differs >= 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import priortr
-from tests.helpers.tiny import llava_batch, tiny_llava
+from tests.helpers.tiny import llava_batch
 
 FASTV_K = 2
 
@@ -33,33 +33,30 @@ def official_fastv(model, batch, keep: int, fastv_k: int = FASTV_K) -> list[int]
     return sorted(visual[top].tolist())
 
 
-@pytest.fixture(scope="module")
-def llava():
-    return tiny_llava(attn="eager")
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("budget", [4, 8])
-def test_fastv_default_keeps_the_official_tokens(llava, seed, budget):
-    batch = llava_batch(llava, 1, seed=seed)
-    with priortr.apply(llava, method="fastv", budget=budget) as handle, torch.no_grad():
-        llava(**batch.kwargs())
+def test_fastv_default_keeps_the_official_tokens(eager_llava, seed, budget):
+    batch = llava_batch(eager_llava, 1, seed=seed)
+    with priortr.apply(eager_llava, method="fastv", budget=budget) as handle, torch.no_grad():
+        eager_llava(**batch.kwargs())
     assert [stage.layer for stage in handle.last.stages] == [FASTV_K - 1]
-    assert handle.last.kept[0].tolist() == official_fastv(llava, batch, budget)
+    assert handle.last.kept[0].tolist() == official_fastv(eager_llava, batch, budget)
 
 
-def test_a_ratio_budget_keeps_round_n_times_one_minus_r(llava):
+def test_a_ratio_budget_keeps_round_n_times_one_minus_r(eager_llava):
     """FastV's R is the dropped share: budget = 1 - R keeps round(N * (1 - R)) tokens."""
-    batch = llava_batch(llava, 1, seed=0)
-    with priortr.apply(llava, method="fastv", budget=0.25) as handle, torch.no_grad():
-        llava(**batch.kwargs())
-    assert handle.last.kept[0].tolist() == official_fastv(llava, batch, round(batch.n_visual * 0.25))
+    batch = llava_batch(eager_llava, 1, seed=0)
+    with priortr.apply(eager_llava, method="fastv", budget=0.25) as handle, torch.no_grad():
+        eager_llava(**batch.kwargs())
+    assert handle.last.kept[0].tolist() == official_fastv(eager_llava, batch, round(batch.n_visual * 0.25))
 
 
-def test_scoring_the_next_layer_keeps_other_tokens(llava):
+def test_scoring_the_next_layer_keeps_other_tokens(eager_llava):
     """Negative control: FastV's K = 3 (the library's former default layer 2) ranks differently."""
     differs = 0
     for seed in range(3):
-        batch = llava_batch(llava, 1, seed=seed)
-        differs += official_fastv(llava, batch, 4) != official_fastv(llava, batch, 4, fastv_k=FASTV_K + 1)
+        batch = llava_batch(eager_llava, 1, seed=seed)
+        differs += official_fastv(eager_llava, batch, 4) != official_fastv(
+            eager_llava, batch, 4, fastv_k=FASTV_K + 1
+        )
     assert differs >= 2

@@ -23,7 +23,7 @@ import torch
 
 import priortr
 from tests.helpers.layerwise import projections, run_layers
-from tests.helpers.tiny import llava_batch, tiny_llava
+from tests.helpers.tiny import llava_batch
 
 
 def official_pdrop(model, batch, ratios: list[float], rank_next: bool = True) -> list[torch.Tensor]:
@@ -60,17 +60,12 @@ def official_pdrop(model, batch, ratios: list[float], rank_next: bool = True) ->
     return stages
 
 
-@pytest.fixture(scope="module")
-def llava():
-    return tiny_llava(attn="eager")
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_pdrop_default_keeps_the_official_tokens(llava, seed):
-    batch = llava_batch(llava, 1, seed=seed)
-    expected = official_pdrop(llava, batch, [1.0, 0.5, 0.25, 0.125])
-    with priortr.apply(llava, method="pdrop", budget=2) as handle, torch.no_grad():
-        llava(**batch.kwargs())
+def test_pdrop_default_keeps_the_official_tokens(eager_llava, seed):
+    batch = llava_batch(eager_llava, 1, seed=seed)
+    expected = official_pdrop(eager_llava, batch, [1.0, 0.5, 0.25, 0.125])
+    with priortr.apply(eager_llava, method="pdrop", budget=2) as handle, torch.no_grad():
+        eager_llava(**batch.kwargs())
     result = handle.last
     assert [stage.layer for stage in result.stages] == [0, 1, 2]
     for stage, kept in zip(result.stages, expected, strict=True):
@@ -78,12 +73,12 @@ def test_pdrop_default_keeps_the_official_tokens(llava, seed):
     assert result.kept[0].tolist() == expected[-1].tolist()
 
 
-def test_ranking_with_the_scored_layer_itself_differs(llava):
+def test_ranking_with_the_scored_layer_itself_differs(eager_llava):
     """Negative control: ranking with the scored layer's own attention keeps other tokens."""
     differs = 0
     for seed in range(3):
-        batch = llava_batch(llava, 1, seed=seed)
-        official = official_pdrop(llava, batch, [1.0, 0.5, 0.25, 0.125])
-        former = official_pdrop(llava, batch, [1.0, 0.5, 0.25, 0.125], rank_next=False)
+        batch = llava_batch(eager_llava, 1, seed=seed)
+        official = official_pdrop(eager_llava, batch, [1.0, 0.5, 0.25, 0.125])
+        former = official_pdrop(eager_llava, batch, [1.0, 0.5, 0.25, 0.125], rank_next=False)
         differs += any(a.tolist() != b.tolist() for a, b in zip(official, former, strict=True))
     assert differs >= 2
