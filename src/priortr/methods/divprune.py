@@ -47,7 +47,7 @@ def divprune(inputs: StageInputs) -> Selection:
     Alvar et al., "DivPrune: Diversity-based Visual Token Pruning for Large Multimodal Models",
     CVPR 2025 (arXiv 2503.02175); authors' code: github.com/vbdi/divprune at
     799e2d950aa01ba7860907f5a6d86061f885dca6, ``LLaVA/llava/model/llava_arch.py`` (``DivPrune``;
-    ``SUBSET_RATIO=0.098`` published, K = round(ratio x N)); ``tests/test_official_divprune.py``.
+    ``SUBSET_RATIO=0.098`` published, K = round(ratio x N)); ``tests/methods/test_official_divprune.py``.
     Pruning before the language model (their ``LAYER_INDEX=0``), on the LLM input embeddings of the
     visual tokens, i.e. ``inputs.hidden`` of a vision stage. Distance d(i, j) = 1 - cos(h_i, h_j).
     The first token maximises the distance to its nearest other token; each further token maximises

@@ -5,7 +5,7 @@ DART's authors visit their pivot tokens in the order of a Python set of their pr
 both rank least similar. A set iterates its hash table slot by slot, and for ints ``hash(v) == v``,
 so the order follows from CPython's ``Objects/setobject.c`` (``set_add_entry``, ``set_insert_clean``,
 ``set_table_resize``): emulated here with tensor operations, so the selector reads nothing back to the
-host. Checked against ``set`` itself in tests/test_methods_dart.py.
+host. Checked against ``set`` itself in tests/methods/test_methods_dart.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,38 @@
+"""Fixtures shared by the whole suite (folders add their own in their ``conftest.py``).
+
+The suite, by what it checks:
+
+- ``unit/``: pure functions on hand-computed values (scoring, FLOPs, report tables, bench statistics);
+- ``engine/``: pruning equals the masked reference (``helpers/oracle.py``), and the engine's evidence,
+  probe, several images, offloading, overhead counts, misuse and errors;
+- ``families/``: the adapter contract over every family, then what only one family does;
+- ``methods/``: every method through the engine, selectors on hand-made inputs, and each method
+  against its authors' code (``test_official_*``);
+- ``cli/``: the commands, the README and the lmms-eval plug-in, on a saved tiny checkpoint;
+- ``testbed/``: the trained testbed's data, training, model and evaluation;
+- ``helpers/``: tiny random-weight models and batches, the masked reference, checkpoints (no tests).
+
+The tiny models and batches themselves are built by ``tests.helpers``; fixtures here only decide how
+long one lives.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import PreTrainedModel
+
+from tests.helpers.families import FAMILIES
+
+
+class TinyModels(dict):
+    """Each family's tiny float64 model (``tests.helpers.families.FAMILIES``), built on first use."""
+
+    def __missing__(self, family: str) -> PreTrainedModel:
+        model = self[family] = FAMILIES[family][0]()
+        return model
+
+
+@pytest.fixture(scope="module")
+def models() -> TinyModels:
+    """{family: tiny model}, shared by the tests of one module (they must leave the models as found)."""
+    return TinyModels()

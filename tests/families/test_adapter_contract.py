@@ -1,0 +1,189 @@
+"""The adapter contract, checked on every family: what the engine asks of a ``FamilyAdapter``, against
+the stock transformers model (hooks on its own modules), so that a new family or a transformers change
+breaks here first.
+
+A new family adds its tiny model to ``tests.helpers.families.FAMILIES`` and one row to each table below;
+what only one family does (AnyRes counts, DeepStack, M-RoPE ids, SmolVLM's runs) is tested in its own file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from priortr import compat
+from priortr.adapters import adapter_for
+from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.idefics3 import Idefics3Adapter
+from priortr.adapters.internvl import InternVLAdapter
+from priortr.adapters.llava import LlavaAdapter
+from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.qwen2_vl import QwenVLAdapter
+from priortr.adapters.qwen3_vl import Qwen3VLAdapter
+from priortr.adapters.video_llava import VideoLlavaAdapter
+from tests.helpers.families import FAMILIES
+from tests.helpers.tiny import TEXT_LO
+
+ADAPTERS: dict[str, type[FamilyAdapter]] = {
+    "llava": LlavaAdapter,
+    "qwen2.5-vl": QwenVLAdapter,
+    "qwen2-vl": QwenVLAdapter,
+    "llava-next": LlavaNextAdapter,
+    "llava-onevision": LlavaOnevisionAdapter,
+    "video-llava": VideoLlavaAdapter,
+    "qwen3-vl": Qwen3VLAdapter,
+    "qwen3-vl-moe": Qwen3VLAdapter,
+    "internvl": InternVLAdapter,
+    "smolvlm": Idefics3Adapter,
+    "idefics3": Idefics3Adapter,
+}
+"""The adapter ``adapter_for`` must pick for each family."""
+
+DUMMY_TOKENS = {
+    "llava": 16,  # 4 x 4 patches
+    "qwen2.5-vl": 576,  # 48 x 48 patches, 2 x 2 merge
+    "qwen2-vl": 576,
+    "llava-next": 88,  # base 16 + 8 x 8 tile patches + 8 newlines
+    "llava-onevision": 46,
+    "video-llava": 16,
+    "qwen3-vl": 576,
+    "qwen3-vl-moe": 576,
+    "internvl": 7 * 16,  # 7 tiles of 16 tokens
+    "smolvlm": 13 * 9,  # 3 x 4 sub-images and the global one, 9 tokens each
+    "idefics3": 13 * 9,
+}
+"""Visual tokens per row of ``dummy_inputs(config, 2, 8, ...)`` (the benchmark prompt)."""
+
+FAMILY_NAMES = list(FAMILIES)
+
+
+def test_every_family_has_a_row_in_every_table():
+    assert list(ADAPTERS) == list(DUMMY_TOKENS) == FAMILY_NAMES
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_adapter_is_registered(models, family):
+    assert type(adapter_for(models[family])) is ADAPTERS[family]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_visual_items_cover_the_visual_tokens_once(models, family):
+    """Items are ascending runs of positions, in prompt order, disjoint, covering exactly the visual
+    tokens of every row; each item's separator is the text token right after its last position."""
+    model = models[family]
+    batch = FAMILIES[family][1](model, 3)
+    items = adapter_for(model).visual_items(model.config, batch.input_ids)
+    visual = batch.visual_mask()
+    covered = torch.zeros_like(visual)
+    previous: dict[int, int] = {}
+    for item in items:
+        assert item.modality in ("image", "video")
+        assert torch.all(item.positions[1:] > item.positions[:-1])
+        assert int(item.positions[0]) > previous.get(item.row, -1)
+        assert not covered[item.row, item.positions].any()
+        covered[item.row, item.positions] = True
+        previous[item.row] = int(item.positions[-1])
+        assert item.separator == int(item.positions[-1]) + 1 and not visual[item.row, item.separator]
+    assert torch.equal(covered, visual)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_accessors_are_the_modules_generate_runs(models, family):
+    """Every decoder layer, its q/k projections and the multimodal model run once per ``generate()``
+    step; the vision modules run once, first before last (the images are encoded once)."""
+    model = models[family]
+    batch = FAMILIES[family][1](model, 2)  # first: the AnyRes builders ask the vision tower for counts
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers(model)
+    assert len(layers) == model.config.text_config.num_hidden_layers
+    first, last = adapter.vision_modules(model)
+    watched = {"multimodal": adapter.multimodal_model(model), "vision first": first, "vision last": last}
+    for i, layer in enumerate(layers):
+        attention = adapter.attention(layer)
+        watched[f"layer{i}"] = layer
+        watched[f"q{i}"] = adapter.query_projection(attention)
+        watched[f"k{i}"] = adapter.key_projection(attention)
+    ran: list[str] = []
+    handles = [
+        module.register_forward_hook(lambda m, a, out, name=name: ran.append(name))
+        for name, module in watched.items()
+    ]
+    try:
+        model.generate(**batch.kwargs(), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    vision = [name for name in ran if name.startswith("vision")]
+    assert vision == ["vision first", "vision last"]
+    counts = {name: ran.count(name) for name in watched.keys() - {"vision first", "vision last"}}
+    assert counts == dict.fromkeys(counts, 3)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_text_positions_of_what_generate_passes(models, family):
+    """Whatever position ids ``generate()`` hands the multimodal model (``[B, S]``, or M-RoPE's
+    ``[3 or 4, B, S]``), ``text_positions`` reads the text positions ``cumsum(mask) - 1`` (0 on padding):
+    at prefill, at each decode step, and on a second turn that continues the returned cache (only the
+    unseen tokens, positions continuing over the whole conversation). ``continuation_position_ids`` gives
+    ids whose text positions are those again."""
+    model = models[family]
+    adapter = adapter_for(model)
+    batch = FAMILIES[family][1](model, 2)
+    calls = []
+
+    def record(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        calls.append((ids.shape[1], kwargs["position_ids"]))
+
+    hook = adapter.multimodal_model(model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **batch.kwargs(),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
+            history = torch.cat([out.sequences, torch.full((2, 4), TEXT_LO)], dim=1)
+            mask = torch.cat([batch.attention_mask, torch.ones_like(history[:, batch.seq_len :])], dim=1)
+            turn = {k: v for k, v in batch.kwargs().items() if not k.startswith("pixel_values")}
+            turn |= {"input_ids": history, "attention_mask": mask}
+            if batch.mm_token_type_ids is not None:  # Qwen-VL: text tokens are type 0
+                extra = history.shape[1] - batch.seq_len
+                turn["mm_token_type_ids"] = torch.cat(
+                    [batch.mm_token_type_ids, torch.zeros(2, extra).long()], 1
+                )
+            model.generate(**turn, past_key_values=out.past_key_values, max_new_tokens=1, do_sample=False)
+    finally:
+        hook.remove()
+    full = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, S + 3 + 4]
+    seq = batch.seq_len
+    seen = seq + 2  # the cache holds the prompt and the first two generated tokens
+    assert [length for length, _ in calls] == [seq, 1, 1, history.shape[1] - seen]
+    expected = [full[:, :seq], full[:, seq : seq + 1], full[:, seq + 1 : seq + 2], full[:, seen:]]
+    for (_, position_ids), want in zip(calls, expected, strict=True):
+        text = adapter.text_positions(model, position_ids)
+        assert torch.equal(text, want)
+        assert torch.equal(
+            adapter.text_positions(model, adapter.continuation_position_ids(model, text)), want
+        )
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_dummy_inputs_run_and_parse(models, family):
+    """The benchmark prompt (``dummy_inputs`` at the tiny sizes) runs through the stock model, which
+    checks that its placeholder runs are as long as the visual features; ``visual_items`` finds one
+    image per row, of the expected size."""
+    model = models[family]
+    adapter = adapter_for(model)
+    inputs = adapter.dummy_inputs(model.config, 2, 8, torch.Generator().manual_seed(0))
+    inputs = compat.rename_image_argument(model, inputs)
+    inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    items = adapter.visual_items(model.config, inputs["input_ids"])
+    assert [(item.row, item.size, item.modality) for item in items] == [
+        (row, DUMMY_TOKENS[family], "image") for row in range(2)
+    ]
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape

@@ -1,0 +1,109 @@
+"""Every supported family as a tiny random-weight model, and the prompt layouts each is tested on.
+
+``FAMILIES`` pairs a model builder with a batch of one image per row and the same visual-token count
+in every row (the layout every method and equivalence test runs on); ``LAYOUTS`` adds, per family,
+what else it can be given: rows with different token counts (``ragged``), videos, several images or
+an image and a video per prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedModel
+
+from tests.helpers.tiny import (
+    Batch,
+    llava_batch,
+    qwen_batch,
+    qwen_batch_12,
+    qwen_video_batch,
+    tiny_llava,
+    tiny_qwen2_5_vl,
+    tiny_qwen2_vl,
+)
+from tests.helpers.tiny_internvl_smolvlm import (
+    internvl_batch,
+    internvl_multi_image_batch,
+    internvl_ragged_batch,
+    internvl_tiles_batch,
+    smolvlm_batch,
+    smolvlm_multi_image_batch,
+    smolvlm_ragged_batch,
+    tiny_idefics3,
+    tiny_internvl,
+    tiny_smolvlm,
+)
+from tests.helpers.tiny_llava_family import (
+    llava_next_batch,
+    llava_next_ragged_batch,
+    llava_onevision_batch,
+    llava_onevision_multi_image_batch,
+    llava_onevision_video_batch,
+    tiny_llava_next,
+    tiny_llava_onevision,
+    tiny_video_llava,
+    video_llava_batch,
+    video_llava_multi_image_batch,
+    video_llava_video_batch,
+)
+from tests.helpers.tiny_qwen3_vl import (
+    qwen3_vl_batch,
+    qwen3_vl_multi_image_batch,
+    qwen3_vl_ragged_batch,
+    qwen3_vl_video_batch,
+    tiny_qwen3_vl,
+    tiny_qwen3_vl_moe,
+)
+
+BatchBuilder = Callable[[PreTrainedModel, int], Batch]
+
+FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
+    "llava": (tiny_llava, llava_batch),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, qwen_batch_12),
+    "qwen2-vl": (tiny_qwen2_vl, qwen_batch_12),
+    "llava-next": (tiny_llava_next, llava_next_batch),
+    "llava-onevision": (tiny_llava_onevision, llava_onevision_batch),
+    "video-llava": (tiny_video_llava, video_llava_batch),
+    "qwen3-vl": (tiny_qwen3_vl, qwen3_vl_batch),
+    "qwen3-vl-moe": (tiny_qwen3_vl_moe, qwen3_vl_batch),
+    "internvl": (tiny_internvl, internvl_batch),
+    "smolvlm": (tiny_smolvlm, smolvlm_batch),
+    "idefics3": (tiny_idefics3, smolvlm_batch),
+}
+"""Every supported family: (model builder, batch builder)."""
+
+LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
+    "llava": {"two images": lambda model, size: llava_batch(model, size, images=2)},
+    "qwen2.5-vl": {
+        "ragged": lambda model, size: qwen_batch(model, size, grid=[(1, 4, 4), (1, 4, 8)][:size]),
+        "video": qwen_video_batch,
+    },
+    "qwen2-vl": {"video": qwen_video_batch},
+    "llava-next": {"ragged": llava_next_ragged_batch},
+    "llava-onevision": {
+        "video": llava_onevision_video_batch,
+        "two images": llava_onevision_multi_image_batch,
+    },
+    "video-llava": {"video": video_llava_video_batch, "image + video": video_llava_multi_image_batch},
+    "qwen3-vl": {
+        "ragged": qwen3_vl_ragged_batch,
+        "video": qwen3_vl_video_batch,
+        "image + video": lambda model, size: qwen3_vl_video_batch(model, size, with_image=True),
+        "two images": qwen3_vl_multi_image_batch,
+    },
+    "internvl": {
+        "tiles": internvl_tiles_batch,
+        "ragged": internvl_ragged_batch,
+        "two images": internvl_multi_image_batch,
+    },
+    "smolvlm": {"ragged": smolvlm_ragged_batch, "two images": smolvlm_multi_image_batch},
+}
+"""Further prompt layouts per family: {family: {layout: batch builder}}."""
+
+
+def setup(family: str, batch_size: int) -> tuple[PreTrainedModel, Batch]:
+    """A tiny float64 model of ``family`` and a left-padded batch for it."""
+    build, make_batch = FAMILIES[family]
+    model = build()
+    return model, make_batch(model, batch_size=batch_size)

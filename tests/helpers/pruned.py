@@ -1,0 +1,104 @@
+"""Reading a pruned run back against the references: which columns each stage hid, which logits rows
+are real tokens, and a batch row run on its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import priortr
+from tests.helpers.oracle import staged_reference
+from tests.helpers.tiny import Batch
+
+NEW_TOKENS = 4
+
+
+def stage_masks(batch: Batch, result: priortr.PruneResult) -> list[tuple[int, torch.Tensor]]:
+    """(layer, [B, S] visual columns not kept after that stage) for ``oracle.staged_reference``."""
+    visual = batch.visual_mask()
+    return [(stage.layer, visual & ~stage.kept_mask(batch.seq_len)) for stage in result.stages]
+
+
+def pruned_columns(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
+    """[B, S] True on visual columns that were not kept."""
+    pruned = batch.visual_mask().clone()
+    pruned.scatter_(1, kept, False)
+    return pruned
+
+
+def conversation(batch: Batch, history: torch.Tensor, mask: torch.Tensor) -> Batch:
+    """The whole conversation so far (``history`` [B, S + T] ids, ``mask`` its attention mask) as one prompt
+    with ``batch``'s images: a second turn's input."""
+    extra = history.shape[1] - batch.seq_len
+    mm = batch.mm_token_type_ids
+    return Batch(
+        history,
+        mask,
+        batch.pixel_values,
+        batch.image_start,
+        batch.image_end,
+        batch.n_visual,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros(mm.shape[0], extra)], dim=1),
+    )
+
+
+def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
+    """``values`` [B, S, V] at the positions left after pruning, and which of them are real tokens
+    (not left padding, not the padding of ragged rows)."""
+    picked = values.gather(1, result.positions[..., None].expand(-1, -1, values.shape[-1]))
+    return picked, batch.attention_mask.gather(1, result.positions).bool() & ~result.padding
+
+
+def assert_matches_reference(model, batch, result, logits, out) -> None:
+    """Prefill logits of real tokens and greedy generation equal the staged masked reference; the
+    stock model differs (so the comparison can fail)."""
+    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+        reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
+        expected = generate(model, batch)
+    torch.testing.assert_close(logits[real], reference[real], atol=1e-10, rtol=0)
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+    with torch.no_grad():
+        stock, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
+    assert (stock[real] - logits[real]).abs().max() > 1e-6, "the stock model must differ"
+
+
+def generate(model, batch: Batch, **options: Any):
+    return model.generate(
+        **batch.kwargs(),
+        **options,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+def row_alone(batch: Batch, row: int) -> dict:
+    """Batch row ``row`` as its own unpadded batch of one.
+
+    Qwen-VL packs every image's patches into one tensor (``image_grid_thw`` says how many each row
+    has); every other input with a leading axis divisible by the batch size holds the same number of
+    entries per row (the batches of ``tests.helpers.families`` give every row the same images).
+    """
+    real = batch.attention_mask[row].bool()
+    kwargs = batch.kwargs()
+    out = {
+        "input_ids": batch.input_ids[row, real][None],
+        "attention_mask": batch.attention_mask[row, real][None],
+    }
+    if batch.image_grid_thw is not None:
+        patches = batch.image_grid_thw.prod(dim=1).tolist()
+        first = sum(patches[:row])
+        out["pixel_values"] = batch.pixel_values[first : first + patches[row]]
+        out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
+        out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
+    for key, value in kwargs.items():
+        if key in out or not isinstance(value, torch.Tensor) or value.shape[0] % batch.batch_size:
+            continue
+        per_row = value.shape[0] // batch.batch_size
+        out[key] = value[row * per_row : (row + 1) * per_row]
+    return out
