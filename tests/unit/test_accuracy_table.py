@@ -1,0 +1,62 @@
+"""The all-methods accuracy tables (``benchmarks/accuracy_table.py``) on hand-made answer journals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import accuracy_table
+
+HITS = {  # 5 questions: vanilla all right, priortr 4, fastv 1 (only question 0, which priortr misses)
+    ("vanilla", None): [1, 1, 1, 1, 1],
+    ("priortr", 64): [0, 1, 1, 1, 1],
+    ("fastv", 64): [1, 0, 0, 0, 0],
+}
+
+
+def journal(folder: Path, split: str, layer: int | None, hits: dict) -> None:
+    folder.mkdir(parents=True)
+    lines = [{"settings": {"split": split, "limit": 5, "layer": layer}}]
+    for (method, budget), cell in hits.items():
+        for index, hit in enumerate(cell):
+            lines.append({"method": method, "budget": budget, "index": index, "correct": bool(hit)})
+    (folder / f"{split}.samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    journal(tmp_path / "s-default", "s", None, HITS)
+    journal(tmp_path / "s-layer4", "s", 4, {("priortr", 64): [1, 1, 1, 1, 1]})
+    return tmp_path
+
+
+def test_rows_name_where_each_method_prunes(root: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(accuracy_table, "BUDGETS", (64,))
+    n, vanilla, rows = accuracy_table.collect(root, "s")
+    assert n == 5 and vanilla == [1] * 5
+    assert rows == {
+        "priortr @ layer 2": {64: [0, 1, 1, 1, 1]},
+        "fastv @ layer 1": {64: [1, 0, 0, 0, 0]},
+        "priortr @ layer 4": {64: [1, 1, 1, 1, 1]},
+    }
+
+
+def test_cells_and_paired_tests_by_hand(root: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(accuracy_table, "BUDGETS", (64,))
+    table = accuracy_table.split_tables(root, "s")
+    # Wilson 95% for 4 of 5: centre (0.8 + 1.92/5) / 1.768, half-width 1.96 sqrt(0.16/5 + 0.96/25) / 1.768
+    assert "| priortr @ layer 2 | 80 (38-96) |" in table
+    # priortr @ 2 vs fastv: 4 questions only priortr answers, 1 only fastv: p = 2 (1 + 5) / 32 = 0.375
+    assert "| fastv @ layer 1 | 4/1, p=0.375 |" in table
+    # priortr @ 4 vs vanilla: no discordant question, p = 1
+    assert "| vanilla | 0/0, p=1.000 |" in table
+
+
+def test_an_unfinished_cell_is_refused(tmp_path: Path):
+    journal(tmp_path / "s-default", "s", None, {("priortr", 64): [1, 1, 1, 1, 1]})
+    path = tmp_path / "s-default" / "s.samples.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    with pytest.raises(ValueError, match="4 of 5 answers"):
+        accuracy_table.read_hits(path)
