@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from priortr.flops import profile_of_stages
 from priortr.methods import get_method
 from priortr.testbed import VANILLA
 from priortr.testbed.significance import mcnemar, wilson_interval
@@ -21,6 +22,7 @@ from priortr.testbed.significance import mcnemar, wilson_interval
 SPLITS = ("scenes-test", "easy-vqa-test")
 RUNS = ("default", "layer4")
 BUDGETS = (192, 128, 64, 32)
+N_VISUAL, N_LAYERS = 576, 30  # the testbed: 24 x 24 visual tokens, SmolLM2-135M's 30 decoder layers
 Hits = list[int]  # 1 or 0 per question, in question order
 
 
@@ -46,6 +48,19 @@ def where(method: str, layer: int | None) -> str:
     if info.where == "layers":
         return "own schedule"
     return f"layer {info.default_layer if layer is None else layer}"
+
+
+def mean_visual(label: str, budget: int) -> float:
+    """Visual tokens per decoder layer in the prefill, averaged over the layers, from the method's
+    stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them)."""
+    method, _, place = label.partition(" @ ")
+    info = get_method(method)
+    layer = int(place.removeprefix("layer ")) if place.startswith("layer ") else info.default_layer
+    if info.schedule is not None:
+        stages = info.schedule(budget, N_VISUAL, layer, N_LAYERS)
+    else:
+        stages = [(-1 if info.where == "vision" else layer, budget)]
+    return sum(profile_of_stages(stages).visual_per_layer(N_VISUAL, N_LAYERS)) / N_LAYERS
 
 
 def collect(root: Path, split: str) -> tuple[int, Hits, dict[str, dict[int, Hits]]]:
@@ -82,6 +97,10 @@ def split_tables(root: Path, split: str) -> str:
     out.append("| vanilla (all 576) | " + " | ".join(accuracy(vanilla) for _ in BUDGETS) + " |")
     for label, cells in rows.items():
         out.append(f"| {label} | " + " | ".join(accuracy(cells[b]) for b in BUDGETS) + " |")
+    out += ["", "Visual tokens per decoder layer in the prefill, mean over the 30 layers (vanilla 576):", ""]
+    out += header
+    for label in rows:
+        out.append(f"| {label} | " + " | ".join(f"{mean_visual(label, b):.0f}" for b in BUDGETS) + " |")
     for reference in [label for label in rows if label.startswith("priortr @")]:
         out += ["", f"{reference} against each method (McNemar, {n} paired questions):", "", *header]
         out.append("| vanilla | " + " | ".join(paired(rows[reference][b], vanilla) for b in BUDGETS) + " |")
