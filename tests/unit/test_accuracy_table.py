@@ -60,3 +60,14 @@ def test_an_unfinished_cell_is_refused(tmp_path: Path):
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
     with pytest.raises(ValueError, match="4 of 5 answers"):
         accuracy_table.read_hits(path)
+
+
+def test_visual_tokens_per_layer_by_hand():
+    # layers 0..2 see all 576, layers 3..29 the 64 kept: (3 * 576 + 27 * 64) / 30
+    assert accuracy_table.mean_visual("priortr @ layer 2", 64) == pytest.approx((3 * 576 + 27 * 64) / 30)
+    assert accuracy_table.mean_visual("fastv @ layer 1", 64) == pytest.approx((2 * 576 + 28 * 64) / 30)
+    assert accuracy_table.mean_visual("divprune @ before the LLM", 64) == 64
+    # PyramidDrop on 30 layers: 576 up to layer 6, then 277, 133 and 64 (its stages' counts)
+    assert accuracy_table.mean_visual("pdrop @ own schedule", 64) == pytest.approx(
+        (7 * 576 + 8 * 277 + 7 * 133 + 8 * 64) / 30
+    )
