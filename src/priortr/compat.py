@@ -8,7 +8,6 @@ is ``None`` (implicit causal), a 2D padding mask (FlashAttention), a 4D mask, or
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,10 +148,3 @@ def rename_image_argument(model: Any, inputs: dict) -> dict:
         inputs = dict(inputs)
         inputs["pixel_values_images"] = inputs.pop("pixel_values")
     return inputs
-
-
-def map_hidden_states(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to a decoder layer's hidden-state output (a tensor, or a tuple's first item)."""
-    if isinstance(output, tuple):
-        return (fn(output[0]), *output[1:])
-    return fn(output)
