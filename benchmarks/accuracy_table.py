@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from priortr.flops import profile_of_stages
 from priortr.methods import get_method
@@ -40,32 +41,34 @@ def read_hits(path: Path) -> tuple[dict, dict[tuple[str, int | None], Hits]]:
     return settings, {cell: [by_index[i] for i in range(n)] for cell, by_index in answers.items()}
 
 
-def where(method: str, layer: int | None) -> str:
-    """Where the method prunes, in this library's 0-indexed scored-layer convention."""
-    info = get_method(method)
-    if info.where == "vision":
-        return "before the LLM"
-    if info.where == "layers":
-        return "own schedule"
-    return f"layer {info.default_layer if layer is None else layer}"
+class Row(NamedTuple):
+    """A method and the decoder layer it scored (None: it prunes before the LLM or on its own schedule)."""
+
+    method: str
+    layer: int | None
+
+    @property
+    def label(self) -> str:
+        """``method @ where``, in this library's 0-indexed scored-layer convention."""
+        where = get_method(self.method).where
+        place = {"vision": "before the LLM", "layers": "own schedule"}.get(where, f"layer {self.layer}")
+        return f"{self.method} @ {place}"
 
 
-def mean_visual(label: str, budget: int) -> float:
+def mean_visual(row: Row, budget: int) -> float:
     """Visual tokens per decoder layer in the prefill, averaged over the layers, from the method's
     stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them)."""
-    method, _, place = label.partition(" @ ")
-    info = get_method(method)
-    layer = int(place.removeprefix("layer ")) if place.startswith("layer ") else info.default_layer
+    info = get_method(row.method)
     if info.schedule is not None:
-        stages = info.schedule(budget, N_VISUAL, layer, N_LAYERS)
+        stages = info.schedule(budget, N_VISUAL, row.layer, N_LAYERS)
     else:
-        stages = [(-1 if info.where == "vision" else layer, budget)]
+        stages = [(-1 if info.where == "vision" else row.layer, budget)]
     return sum(profile_of_stages(stages).visual_per_layer(N_VISUAL, N_LAYERS)) / N_LAYERS
 
 
-def collect(root: Path, split: str) -> tuple[int, Hits, dict[str, dict[int, Hits]]]:
-    """Question count, vanilla's hits and, per row label (``method @ where``), the hits per budget."""
-    rows: dict[str, dict[int, Hits]] = {}
+def collect(root: Path, split: str) -> tuple[int, Hits, dict[Row, dict[int, Hits]]]:
+    """Question count, vanilla's hits and, per row, the hits per budget."""
+    rows: dict[Row, dict[int, Hits]] = {}
     vanilla: Hits = []
     n = 0
     for run in RUNS:
@@ -74,8 +77,11 @@ def collect(root: Path, split: str) -> tuple[int, Hits, dict[str, dict[int, Hits
         for (method, budget), cell in hits.items():
             if method == VANILLA:
                 vanilla = cell
-            else:
-                rows.setdefault(f"{method} @ {where(method, settings['layer'])}", {})[budget] = cell
+                continue
+            layer = get_method(method).default_layer
+            if layer is not None and settings["layer"] is not None:
+                layer = settings["layer"]
+            rows.setdefault(Row(method, layer), {})[budget] = cell
     return n, vanilla, rows
 
 
@@ -92,23 +98,24 @@ def paired(a: Hits, b: Hits) -> str:
 
 def split_tables(root: Path, split: str) -> str:
     n, vanilla, rows = collect(root, split)
-    header = ["| method | " + " | ".join(f"K = {b}" for b in BUDGETS) + " |", "|---|" + "---:|" * 4]
+    columns = " | ".join(f"K = {b}" for b in BUDGETS)
+    header = [f"| method | {columns} |", "|---|" + "---:|" * len(BUDGETS)]
     out = [f"### {split}: {n} questions", "", "Accuracy % (95% Wilson interval).", "", *header]
-    out.append("| vanilla (all 576) | " + " | ".join(accuracy(vanilla) for _ in BUDGETS) + " |")
-    for label, cells in rows.items():
-        out.append(f"| {label} | " + " | ".join(accuracy(cells[b]) for b in BUDGETS) + " |")
-    out += ["", "Visual tokens per decoder layer in the prefill, mean over the 30 layers (vanilla 576):", ""]
-    out += header
-    for label in rows:
-        out.append(f"| {label} | " + " | ".join(f"{mean_visual(label, b):.0f}" for b in BUDGETS) + " |")
-    for reference in [label for label in rows if label.startswith("priortr @")]:
-        out += ["", f"{reference} against each method (McNemar, {n} paired questions):", "", *header]
+    out.append(f"| vanilla (all {N_VISUAL}) | " + " | ".join(accuracy(vanilla) for _ in BUDGETS) + " |")
+    for row, cells in rows.items():
+        out.append(f"| {row.label} | " + " | ".join(accuracy(cells[b]) for b in BUDGETS) + " |")
+    tokens = f"mean over the {N_LAYERS} layers (vanilla {N_VISUAL})"
+    out += ["", f"Visual tokens per decoder layer in the prefill, {tokens}:", "", *header]
+    for row in rows:
+        out.append(f"| {row.label} | " + " | ".join(f"{mean_visual(row, b):.0f}" for b in BUDGETS) + " |")
+    references = [row for row in rows if row.method == "priortr"]
+    for reference in references:
+        out += ["", f"{reference.label} against each method (McNemar, {n} paired questions):", "", *header]
         out.append("| vanilla | " + " | ".join(paired(rows[reference][b], vanilla) for b in BUDGETS) + " |")
-        for label, cells in rows.items():
-            if not label.startswith("priortr @"):
-                out.append(
-                    f"| {label} | " + " | ".join(paired(rows[reference][b], cells[b]) for b in BUDGETS) + " |"
-                )
+        for row, cells in rows.items():
+            if row not in references:
+                pairs = " | ".join(paired(rows[reference][b], cells[b]) for b in BUDGETS)
+                out.append(f"| {row.label} | {pairs} |")
     return "\n".join(out) + "\n"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import accuracy_table
+from benchmarks.accuracy_table import Row
 
 HITS = {  # 5 questions: vanilla all right, priortr 4, fastv 1 (only question 0, which priortr misses)
     ("vanilla", None): [1, 1, 1, 1, 1],
@@ -36,7 +37,7 @@ def test_rows_name_where_each_method_prunes(root: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(accuracy_table, "BUDGETS", (64,))
     n, vanilla, rows = accuracy_table.collect(root, "s")
     assert n == 5 and vanilla == [1] * 5
-    assert rows == {
+    assert {row.label: cells for row, cells in rows.items()} == {
         "priortr @ layer 2": {64: [0, 1, 1, 1, 1]},
         "fastv @ layer 1": {64: [1, 0, 0, 0, 0]},
         "priortr @ layer 4": {64: [1, 1, 1, 1, 1]},
@@ -64,10 +65,10 @@ def test_an_unfinished_cell_is_refused(tmp_path: Path):
 
 def test_visual_tokens_per_layer_by_hand():
     # layers 0..2 see all 576, layers 3..29 the 64 kept: (3 * 576 + 27 * 64) / 30
-    assert accuracy_table.mean_visual("priortr @ layer 2", 64) == pytest.approx((3 * 576 + 27 * 64) / 30)
-    assert accuracy_table.mean_visual("fastv @ layer 1", 64) == pytest.approx((2 * 576 + 28 * 64) / 30)
-    assert accuracy_table.mean_visual("divprune @ before the LLM", 64) == 64
+    assert accuracy_table.mean_visual(Row("priortr", 2), 64) == pytest.approx((3 * 576 + 27 * 64) / 30)
+    assert accuracy_table.mean_visual(Row("fastv", 1), 64) == pytest.approx((2 * 576 + 28 * 64) / 30)
+    assert accuracy_table.mean_visual(Row("divprune", None), 64) == 64
     # PyramidDrop on 30 layers: 576 up to layer 6, then 277, 133 and 64 (its stages' counts)
-    assert accuracy_table.mean_visual("pdrop @ own schedule", 64) == pytest.approx(
+    assert accuracy_table.mean_visual(Row("pdrop", None), 64) == pytest.approx(
         (7 * 576 + 8 * 277 + 7 * 133 + 8 * 64) / 30
     )
