@@ -121,11 +121,11 @@ def model_config(source: str, option: str = "--model") -> Any:
 def check_family(config: Any, option: str = "--model") -> None:
     """Refuse a model type that no adapter handles (a text-only model among them), naming the supported
     families."""
-    from priortr.adapters import _ADAPTERS, supported_model_types
+    from priortr.adapters import supported_families, supported_model_types
 
     model_type = getattr(config, "model_type", None)
-    if model_type not in _ADAPTERS:
-        families = sorted({adapter.name for adapter in _ADAPTERS.values()})
+    if model_type not in supported_model_types():
+        families = supported_families()
         text_only = "" if hasattr(config, "vision_config") else "; it has no vision tower (a text-only model)"
         raise ValueError(
             f"{option}: model type {model_type!r} is not a vision-language family priortr supports "

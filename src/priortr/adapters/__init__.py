@@ -29,6 +29,11 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def supported_families() -> list[str]:
+    """The names of the registered families (several model types can share one)."""
+    return sorted({adapter.name for adapter in _ADAPTERS.values()})
+
+
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     """The adapter of ``model``'s family, or a ValueError naming the supported families."""
     config = getattr(model, "config", None)
@@ -50,4 +55,4 @@ register_adapter(LlavaNextAdapter())
 register_adapter(LlavaOnevisionAdapter())
 register_adapter(VideoLlavaAdapter())
 
-__all__ = ["FamilyAdapter", "adapter_for", "register_adapter", "supported_model_types"]
+__all__ = ["FamilyAdapter", "adapter_for", "register_adapter", "supported_families", "supported_model_types"]
