@@ -332,7 +332,7 @@ class Bench:
     def _inputs(self, batch: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed)
         adapter = adapter_for(self.model)
-        inputs = compat.rename_image_argument(
+        inputs = compat.inputs.rename_image_argument(
             self.model, adapter.dummy_inputs(self.model.config, batch, self.text_tokens, generator)
         )
         device, dtype = self.model.device, self.model.dtype
@@ -365,12 +365,10 @@ class Bench:
             for _ in range(self.warmup):
                 self.model(**inputs, use_cache=True, logits_to_keep=1)
             if ("setup", case) not in self.records:
-                cache = self.model(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+                cache = compat.cache.of_output(self.model(**inputs, use_cache=True, logits_to_keep=1))
                 if stages:  # the tokens each stage left: SparseVLM recycles clusters on top of its counts
                     stages = [(stage.layer, stage.kept.shape[1]) for stage in handle.last.stages]
-                kv = sum(
-                    t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-                )
+                kv = compat.cache.byte_size(cache)
                 setup = {"kind": "setup", "case": list(case), "kv_cache_bytes": kv, "stages": stages}
                 self._record({**setup, "sequence": inputs["input_ids"].shape[1]})
 
@@ -548,7 +546,7 @@ def _meta(model: nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
         "text_layers": model.config.text_config.num_hidden_layers,
-        "attn_implementation": model.config._attn_implementation,
+        "attn_implementation": compat.masks.implementation(model),
         **extra,
     }
 

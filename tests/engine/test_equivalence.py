@@ -164,13 +164,13 @@ def test_negative_controls_are_caught(family, monkeypatch):
 
     original = Prefill._gather_layer_inputs
 
-    def renumbered(self, kwargs):
+    def renumbered(self, call):
         """Negative control: layers after L get positions 0..S'-1 instead of the kept tokens' own."""
-        full = kwargs["position_embeddings"]
-        original(self, kwargs)
+        full = call.rope
+        original(self, call)
         if full[0].shape[1] == batch.seq_len:
-            n = kwargs["position_embeddings"][0].shape[1]
-            kwargs["position_embeddings"] = (full[0][:, :n], full[1][:, :n])
+            n = call.rope[0].shape[1]
+            call.rope = (full[0][:, :n], full[1][:, :n])
 
     with monkeypatch.context() as patch:
         patch.setattr(Prefill, "_gather_layer_inputs", renumbered)
@@ -179,7 +179,7 @@ def test_negative_controls_are_caught(family, monkeypatch):
     assert (torch.stack(bad.logits) - torch.stack(ref.logits)).abs().max() > 1e-6
 
     with monkeypatch.context() as patch:
-        patch.setattr("priortr.engine.cut.compact_cache_layer", lambda layer, index, seq, static: None)
+        patch.setattr("priortr.compat.cache.compact", lambda cache, index, seq, layers: None)
         with priortr.apply(model, budget=BUDGET, layer=LAYER), torch.no_grad():
             try:
                 bad = generate(model, batch, output_logits=True, return_dict_in_generate=True)

@@ -178,7 +178,7 @@ def test_dummy_inputs_run_and_parse(models, family):
     model = models[family]
     adapter = adapter_for(model)
     inputs = adapter.dummy_inputs(model.config, 2, 8, torch.Generator().manual_seed(0))
-    inputs = compat.rename_image_argument(model, inputs)
+    inputs = compat.inputs.rename_image_argument(model, inputs)
     inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     items = adapter.visual_items(model.config, inputs["input_ids"])
     assert [(item.row, item.size, item.modality) for item in items] == [

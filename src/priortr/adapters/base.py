@@ -106,6 +106,10 @@ class FamilyAdapter:
     def key_projection(self, attention: nn.Module) -> nn.Module:
         return attention.k_proj
 
+    def scaling(self, attention: nn.Module) -> float:
+        """The softmax scale of the attention's scores (``head_dim ** -0.5`` for LLaMA and Qwen)."""
+        return attention.scaling
+
     def input_norm(self, layer: nn.Module) -> nn.Module:
         """The norm a decoder layer applies to its input before attention (pre-norm decoders)."""
         return layer.input_layernorm

@@ -21,7 +21,7 @@ from priortr.engine.sequence import SequenceMap
 from priortr.host import to_device
 from priortr.pools import Pool
 from priortr.selection import Selection
-from priortr.surgery import compact_cache_layer, gather_sequence
+from priortr.surgery import gather_sequence
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,7 @@ def cut(
         for decision in merges:
             _merge(out, slot, decision)
     if cache is not None and cached_layers > 0:
-        static = compat.is_static_cache(cache)
-        for layer in compat.cache_layers(cache)[:cached_layers]:
-            compact_cache_layer(layer, index, sequence.width, static)
+        compat.cache.compact(cache, index, sequence.width, cached_layers)
     sequence.keep(index, None if filler is None else filler.gather(1, index))
     for decision in decisions:
         _narrow(decision)

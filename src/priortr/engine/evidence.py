@@ -132,7 +132,7 @@ def attention_at_layer(
     )
     picked = apply_rope(picked, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
     keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
-    return attention_rows(picked, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+    return attention_rows(picked, keys, RowSpec(rows, sequence.key_valid()), adapter.scaling(module))
 
 
 def next_layer_attention(
@@ -159,7 +159,7 @@ def next_layer_attention(
     cos, sin = rope
     queries = apply_rope(queries, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
     keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
-    return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), module.scaling)
+    return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), adapter.scaling(module))
 
 
 def token_evidence(

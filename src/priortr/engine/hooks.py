@@ -10,7 +10,6 @@ Armed hooks serve only the thread whose prefill armed them, so calls from other 
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.evidence import VISION_NEEDS
-from priortr.engine.ledger import claim, continue_call, guard, ledger_of, write_ledger
+from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.report import PrefillRecord, PruneResult
@@ -45,9 +44,8 @@ class PruningEngine:
         self.multimodal = adapter.multimodal_model(model)
         self.layers = adapter.decoder_layers(model)
         self.vision = adapter.vision_probe(model) if config.method.needs & VISION_NEEDS else None
-        self._parameters = tuple(inspect.signature(self.multimodal.forward).parameters)
-        text_config = model.config.get_text_config()
-        self._attention_implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
+        self.calls, self.layer_calls = compat.calls.resolve(self.multimodal, self.layers)
+        self.explicit_mask = compat.masks.explicit_mask_builder(compat.masks.implementation(model))
         self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
         self._record: PrefillRecord | None = None
@@ -105,25 +103,24 @@ class PruningEngine:
         return self._loss(logits=logits, labels=labels, **kwargs)
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        call = dict(zip(self._parameters, args, strict=False))
-        call.update(kwargs)
-        cache = call.get("past_key_values")
-        ledger, new = ledger_of(cache), _new_tokens(call)
-        decode_step = new == 1 and (ledger is not None or not compat.has_visual_inputs(call))
+        call = self.calls.call(args, kwargs)
+        cache = call.cache
+        ledger = ledger_of(cache)
+        decode_step = call.new_tokens == 1 and (ledger is not None or not call.has_visual_inputs)
         if decode_step and ledger is None:
             return None  # a decode step on a cache that was not pruned
         # A decode step reads nothing back; a longer call reads a static cache's length (a prefill or turn).
-        empty = not decode_step and (cache is None or compat.cache_length(cache) == 0)
+        empty = not decode_step and (cache is None or compat.cache.length(cache) == 0)
         if ledger is not None:
             if not empty:  # a decode step or a later chat turn
-                continue_call(ledger, call, cache, self.adapter, self.model, self.config.strict)
-                claim(cache)
-                return (), call
+                continue_call(ledger, call, self.adapter, self.model, self.config.strict)
+                compat.cache.claim(cache)
+                return call.hook_result()
             write_ledger(cache, None)  # the cache was reset for a new prompt
         thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
-        if not compat.has_visual_inputs(call):
+        if not call.has_visual_inputs:
             if empty:
                 skip_prefill(
                     self.config, "the call brings no images, so the prompt has no image tokens to prune"
@@ -131,7 +128,7 @@ class PruningEngine:
             return None
         if not empty:
             return None  # images on a cache this engine did not prune: no prefill to plan
-        if compat.has_raw_pixels(call):  # the tower runs inside this call; generate() runs it before
+        if call.has_raw_pixels:  # the tower runs inside this call; generate() runs it before
             self._vision_captures.pop(thread, None)
         plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
         if plan is None:
@@ -140,14 +137,14 @@ class PruningEngine:
         if self.vision is not None:
             vision = (self.vision, self._vision_captures.setdefault(thread, {}))
         norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
-        prefill = Prefill(plan, self.config, self.adapter, vision, self._attention_implementation, norm)
+        prefill = Prefill(plan, self.config, self.adapter, vision, self.explicit_mask, norm)
         self._last = None
         self._record = prefill.record
         if plan.stages:
             self._in_flight[thread] = self._arm(prefill, thread)
         else:
             prefill.finish()
-        return (), call
+        return call.hook_result()
 
     def _arm(self, prefill: Prefill, thread: int) -> list[RemovableHandle]:
         """Hooks for this prefill only, serving only ``thread``: a pre-hook on every layer from the first
@@ -157,10 +154,12 @@ class PruningEngine:
         armed = []
         if prefill.input_positions is not None:
             armed.append(
-                self.layers[0].register_forward_pre_hook(_capture_input(prefill, thread), with_kwargs=True)
+                self.layers[0].register_forward_pre_hook(
+                    _capture_input(prefill, thread, self.layer_calls), with_kwargs=True
+                )
             )
         for index in range(max(stages[0], 0), len(self.layers)):
-            hook = _before_layer(prefill, index, thread)
+            hook = _before_layer(prefill, index, thread, self.layer_calls)
             armed.append(self.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
         if self.config.method.needs & {"attention", "keys"}:
             for index in (layer for layer in stages if layer != BEFORE_LLM):
@@ -185,7 +184,7 @@ class PruningEngine:
             _disarm(self._in_flight.pop(thread, []))
             self._vision_captures.pop(thread, None)
             if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
-                guard(prefill.cache)
+                compat.cache.guard(prefill.cache)
 
         return hook
 
@@ -233,11 +232,15 @@ def _disarm(handles: list[RemovableHandle]) -> None:
         handle.remove()
 
 
-def _before_layer(prefill: Prefill, index: int, thread: int) -> Callable:
+def _before_layer(
+    prefill: Prefill, index: int, thread: int, contract: compat.calls.LayerContract
+) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if threading.get_ident() != thread:
             return None  # another thread's call through the same layer
-        return prefill.before_layer(index, module, args, kwargs)
+        call = contract.call(args, kwargs)
+        prefill.before_layer(index, module, call)
+        return call.hook_result()
 
     return hook
 
@@ -252,19 +255,12 @@ def _capture(prefill: Prefill, name: str, thread: int) -> Callable:
     return hook
 
 
-def _capture_input(prefill: Prefill, thread: int) -> Callable:
+def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerContract) -> Callable:
     """Forward pre-hook keeping the hidden states that enter the first decoder layer (the language
     model's input embeddings), before any stage runs."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() == thread:
-            prefill.captured["embeddings"] = args[0] if args else kwargs["hidden_states"]
+            prefill.captured["embeddings"] = contract.call(args, kwargs).hidden
 
     return hook
-
-
-def _new_tokens(call: dict) -> int:
-    """How many new tokens a call brings (input ids or embeddings)."""
-    inputs = call.get("input_ids")
-    inputs = call.get("inputs_embeds") if inputs is None else inputs
-    return 0 if inputs is None else inputs.shape[1]

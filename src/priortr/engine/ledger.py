@@ -9,11 +9,10 @@ no host sync, nothing that changes from step to step (so a compiled decode step 
 
 The stock model knows nothing of the ledger: continued without pruning attached (after
 ``handle.remove()``, or on another model) it would attend with positions off by the dropped tokens and
-answer wrongly without a word. So the pruned cache also guards itself: its first layer becomes a
-``GuardedDynamicLayer``/``GuardedStaticLayer``, whose ``update`` (called by every forward pass before
-anything is written to the cache) refuses a call that no attached engine has claimed. Claiming is a
-Python flag set by the engine's model pre-hook and cleared by that update: nothing is read from the
-device.
+answer wrongly without a word. So the pruned cache also guards itself: its first layer becomes a guarded
+layer (``compat.cache.guard``), whose ``update`` (called by every forward pass before anything is
+written to the cache) refuses a call that no attached engine has claimed. Claiming is a Python flag set
+by the engine's model pre-hook and cleared by that update: nothing is read from the device.
 """
 
 from __future__ import annotations
@@ -22,13 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 
 ATTRIBUTE = "_priortr_ledger"
-TOKEN_ALIGNED = ("position_ids", "mm_token_type_ids", "token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -55,57 +52,11 @@ class CacheLedger:
         return self.prompt_length - self.kept_length
 
 
-UNCLAIMED = (
-    "this KV cache was pruned by priortr, and no priortr pruning is attached to the model continuing it "
-    "(the handle was removed, or the cache went to another model): the stock model would read it with "
-    "wrong positions. Continue it with priortr.apply(model, ...) attached (any method: the cache carries "
-    "what it needs), or start a new cache"
-)
-
-
-def _guarded(plain: type, name: str) -> type:
-    """A subclass of the cache layer class ``plain`` for the first layer of a pruned cache: ``update``
-    runs only in a call that an attached engine claimed. (A direct subclass, so that an existing layer's
-    class can be swapped in place; module-level names, so that it pickles.)"""
-
-    class Guarded(plain):
-        __slots__ = ()
-        _priortr_claimed = False
-
-        def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self._priortr_claimed:
-                raise ValueError(UNCLAIMED)
-            self._priortr_claimed = False
-            return super().update(*args, **kwargs)
-
-        def reset(self) -> None:
-            """An emptied cache stands for no pruned prompt any more (static caches reused by generate()):
-            unguarded, its ledger no longer counts (``ledger_of``)."""
-            super().reset()
-            _unguard(self)
-
-    Guarded.__name__ = Guarded.__qualname__ = name
-    Guarded.__doc__ = f"A ``{plain.__name__}`` holding the first layer of a pruned cache (module docstring)."
-    return Guarded
-
-
-GuardedDynamicLayer = _guarded(DynamicLayer, "GuardedDynamicLayer")
-GuardedStaticLayer = _guarded(StaticLayer, "GuardedStaticLayer")
-_GUARDED = {DynamicLayer: GuardedDynamicLayer, StaticLayer: GuardedStaticLayer}
-_PLAIN = {guarded: plain for plain, guarded in _GUARDED.items()}
-
-
-def _unguard(layer: Any) -> None:
-    if type(layer) in _PLAIN:
-        layer.__class__ = _PLAIN[type(layer)]
-        layer.__dict__.pop("_priortr_claimed", None)
-
-
 def ledger_of(cache: Any) -> CacheLedger | None:
     """The ledger of a pruned ``cache``; None for a cache that was never pruned or was reset since (its
     first layer is no longer guarded)."""
     ledger = getattr(cache, ATTRIBUTE, None) if cache is not None else None
-    if ledger is None or type(compat.first_cache_layer(cache)) not in _PLAIN:
+    if ledger is None or not compat.cache.is_guarded(cache):
         return None
     return ledger
 
@@ -116,69 +67,53 @@ def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
     if ledger is None:
         if hasattr(cache, ATTRIBUTE):
             delattr(cache, ATTRIBUTE)
-        _unguard(compat.first_cache_layer(cache))
+        compat.cache.unguard(compat.cache.first_layer(cache))
         return
     setattr(cache, ATTRIBUTE, ledger)
 
 
-def guard(cache: Any) -> None:
-    """Make the first layer of a pruned ``cache`` refuse calls that no engine claimed; called once the
-    pruned prefill has returned (its own layer-0 update is done)."""
-    first = compat.first_cache_layer(cache)
-    if type(first) in _GUARDED:
-        first.__class__ = _GUARDED[type(first)]
-    first._priortr_claimed = False
-
-
-def claim(cache: Any) -> None:
-    """Let the call about to run continue the pruned ``cache`` (set by the engine, per call)."""
-    compat.first_cache_layer(cache)._priortr_claimed = True
-
-
 def continue_call(
     ledger: CacheLedger,
-    call: dict,
-    cache: Any,
+    call: compat.calls.ModelCall,
     adapter: FamilyAdapter,
     model: torch.nn.Module,
     check: bool,
 ) -> None:
-    """Adjust ``call`` (the multimodal model's arguments, in place) to continue the pruned ``cache``.
+    """Adjust ``call`` (the multimodal model's arguments, in place) to continue its pruned cache.
 
     A one-token call is a decode step: nothing is read back from the device. A longer call (a new chat
     turn) reads the cache's length once, to undo generate()'s slicing of the conversation by the
     physical (shorter) cache length; ``check`` (``strict=True``) also verifies a decode step's positions.
     """
-    if compat.has_visual_inputs(call):
+    if call.has_visual_inputs:
         raise ValueError(
             "new images on a pruned cache are not supported: the cache was pruned at the first turn; "
             "start a new cache for a new image"
         )
-    key = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
-    new = call[key].shape[1]
-    cached = compat.host_cache_length(cache)  # None where reading it would block (static caches)
-    mask = call.get("attention_mask")
+    cache, new = call.cache, call.new_tokens
+    cached = compat.cache.host_length(cache)  # None where reading it would block (static caches)
+    mask = call.attention_mask
     host_checkable = cached is not None and isinstance(mask, torch.Tensor) and mask.ndim == 2
     if new > 1 or check or host_checkable:
-        cached = int(compat.cache_length(cache)) if cached is None else cached
-        new = _align(ledger, call, key, new, cached)
-    text_positions = adapter.text_positions(model, call.get("position_ids"))
+        cached = int(compat.cache.length(cache)) if cached is None else cached
+        new = _align(ledger, call, new, cached)
+    text_positions = adapter.text_positions(model, call.position_ids)
     if text_positions is None:
-        length = compat.cache_length(cache) if cached is None else cached
+        length = compat.cache.length(cache) if cached is None else cached
         steps = torch.arange(new, device=ledger.next_position.device)
         positions = ledger.next_position[:, None] + (length - ledger.kept_length) + steps
-        call["position_ids"] = adapter.continuation_position_ids(model, positions)
-    call["attention_mask"] = _mask(ledger, call.get("attention_mask"), new, cache, cached)
+        call.position_ids = adapter.continuation_position_ids(model, positions)
+    call.attention_mask = _mask(ledger, call.attention_mask, new, cache, cached)
 
 
-def _align(ledger: CacheLedger, call: dict, key: str, new: int, cached: int) -> int:
+def _align(ledger: CacheLedger, call: compat.calls.ModelCall, new: int, cached: int) -> int:
     """Check that a call continues the cache; drop the inputs generate() sent although they are cached.
 
     generate() slices a conversation by the cache's length, which pruning shortened by ``dropped``
     tokens, so a new turn arrives with its first ``dropped`` tokens already in the cache.
     """
     logical = cached + ledger.dropped
-    mask = call.get("attention_mask")
+    mask = call.attention_mask
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         past = mask.shape[1] - new
         sliced = past == cached and new > ledger.dropped > 0
@@ -188,22 +123,20 @@ def _align(ledger: CacheLedger, call: dict, key: str, new: int, cached: int) -> 
                 f"{logical} tokens plus {new} new ones; pass the mask of the whole conversation"
             )
     else:
-        sliced = _sliced_by_positions(ledger, call, new, cached)
+        sliced = _sliced_by_positions(ledger, call.position_ids, new, cached)
     if not sliced:
         return new
-    call[key] = call[key][:, ledger.dropped :]
-    for name in TOKEN_ALIGNED:
-        if isinstance(call.get(name), torch.Tensor):
-            call[name] = call[name][..., ledger.dropped :]
+    call.drop_leading(ledger.dropped)
     # A prepared mask (static caches) has a row per sent input, laid out from the cache's physical
     # length: the rows of the inputs that remain are its first ones.
-    call["attention_mask"] = compat.first_query_rows(mask, new - ledger.dropped)
+    call.attention_mask = compat.masks.first_query_rows(mask, new - ledger.dropped)
     return new - ledger.dropped
 
 
-def _sliced_by_positions(ledger: CacheLedger, call: dict, new: int, cached: int) -> bool:
+def _sliced_by_positions(
+    ledger: CacheLedger, position_ids: torch.Tensor | None, new: int, cached: int
+) -> bool:
     """Without a 2D mask, the first text position says whether the inputs continue the cache."""
-    position_ids = call.get("position_ids")
     if position_ids is None:
         return False
     text = position_ids[0] if position_ids.ndim == 3 else position_ids
@@ -232,7 +165,7 @@ def _mask(ledger: CacheLedger, mask: Any, new: int, cache: Any, cached: int | No
     if ledger.filler is None:
         return mask
     if mask is None:
-        cached = int(compat.cache_length(cache)) if cached is None else cached
+        cached = int(compat.cache.length(cache)) if cached is None else cached
         tail = ledger.prompt_mask.new_ones(ledger.prompt_mask.shape[0], cached - ledger.kept_length + new)
         return torch.cat([ledger.prompt_mask, tail], dim=1)
-    return compat.hide_cached_columns(mask, ledger.filler)
+    return compat.masks.hide_cached_columns(mask, ledger.filler)

@@ -62,21 +62,25 @@ class PrefillPlan:
 
 
 def make_plan(
-    adapter: FamilyAdapter, model: torch.nn.Module, config: PruningConfig, call: dict, n_layers: int
+    adapter: FamilyAdapter,
+    model: torch.nn.Module,
+    config: PruningConfig,
+    call: compat.calls.ModelCall,
+    n_layers: int,
 ) -> PrefillPlan | None:
     """Plan the prefill of ``call`` (the multimodal model's arguments), or None when nothing is pruned."""
-    input_ids = call.get("input_ids")
+    input_ids = call.input_ids
     if input_ids is None:
         return skip_prefill(
             config, "the model was called with inputs_embeds only, so the image tokens cannot be found"
         )
     batch, seq = input_ids.shape
     device = input_ids.device
-    valid = compat.padding_mask(call.get("attention_mask"), batch, seq, device)  # [B, S] bool
+    valid = compat.masks.padding(call.attention_mask, batch, seq, device)  # [B, S] bool
     host = plan_on_host(adapter, model.config, config, *to_host(input_ids, valid), n_layers)
     if host is None:
         return skip_prefill(config, "the prompt has no image tokens")
-    text_positions = adapter.text_positions(model, call.get("position_ids"))
+    text_positions = adapter.text_positions(model, call.position_ids)
     if text_positions is None:
         next_position = torch.full((batch,), seq, device=device)
     else:

@@ -43,14 +43,14 @@ class Prefill:
         config: PruningConfig,
         adapter: FamilyAdapter,
         vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None,
-        attention_implementation: str,
+        explicit_mask: compat.masks.ExplicitMask,
         final_norm: torch.nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.config = config
         self.adapter = adapter
         self.vision = vision
-        self.implementation = attention_implementation
+        self.explicit_mask = explicit_mask
         self.final_norm = final_norm
         self.sequence = SequenceMap(
             prompt_length=plan.seq,
@@ -73,29 +73,21 @@ class Prefill:
         """The scored layer of the next stage (-1: before the language model), None when all ran."""
         return self.pending[0] if self.pending else None
 
-    def before_layer(
-        self, index: int, layer: torch.nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
-        """Run what has to happen before decoder layer ``index``; returns its new arguments."""
+    def before_layer(self, index: int, layer: torch.nn.Module, call: compat.calls.LayerCall) -> None:
+        """Run what has to happen before decoder layer ``index``; rewrites its ``call`` in place."""
         if self.next_stage == index - 1:
             if self.next_stage == BEFORE_LLM:
-                self.cache = kwargs.get("past_key_values")
-            hidden = args[0] if args else kwargs["hidden_states"]
-            hidden = self.run_stage(hidden, layer, kwargs["position_embeddings"])
-            if args:
-                args = (hidden, *args[1:])
-            else:
-                kwargs["hidden_states"] = hidden
+                self.cache = call.cache
+            call.hidden = self.run_stage(call.hidden, layer, call.rope)
         if self.sequence.positions is not None:
-            self._gather_layer_inputs(kwargs)
+            self._gather_layer_inputs(call)
         if self.next_stage == index:
-            cache = kwargs.get("past_key_values")
+            cache = call.cache
             if cache is not None:
-                compat.check_prunable_cache(cache, index)
+                compat.cache.check_prunable(cache, index)
             self.cache = cache
-            self.captured["rope"] = kwargs["position_embeddings"]
+            self.captured["rope"] = call.rope
             self.captured["attention"] = self.adapter.attention(layer)
-        return args, kwargs
 
     @torch.no_grad()
     def run_stage(
@@ -176,20 +168,17 @@ class Prefill:
             )
             write_ledger(self.cache, ledger)
 
-    def _gather_layer_inputs(self, kwargs: dict) -> None:
+    def _gather_layer_inputs(self, call: compat.calls.LayerCall) -> None:
         """RoPE and mask of a layer that runs on the kept tokens only, computed once per stage."""
-        rope, mask = kwargs["position_embeddings"], kwargs.get("attention_mask")
+        rope, mask = call.rope, call.mask
         key = (id(rope), id(mask))
         if key not in self._layer_inputs:
             positions, filler = self.sequence.positions, self.sequence.filler
-            static = compat.is_static_cache(kwargs.get("past_key_values"))
+            static = compat.cache.is_static(call.cache)
             gathered_rope = tuple(gather_sequence(part, positions) for part in rope)
-            gathered_mask = compat.gather_layer_mask(
-                mask, positions, self.plan.seq, static, filler, self.implementation, rope[0].dtype
+            gathered_mask = compat.masks.for_kept_layer(
+                mask, positions, self.plan.seq, static, filler, self.explicit_mask, rope[0].dtype
             )
             self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)  # originals keep ids unique
-        _, _, kwargs["position_embeddings"], kwargs["attention_mask"] = self._layer_inputs[key]
-        # Gapped position ids would read as packed sequences to FlashAttention; RoPE is already applied
-        # through the gathered (cos, sin), so layers need no position ids.
-        if "position_ids" in kwargs:
-            kwargs["position_ids"] = None
+        _, _, call.rope, call.mask = self._layer_inputs[key]
+        call.clear_positions()

@@ -1,0 +1,219 @@
+"""How the multimodal model and its decoder layers take their arguments, resolved from their signatures.
+
+The engine reads and rewrites the arguments of two kinds of calls: the multimodal model's (prompt ids,
+masks, position ids, images, the KV cache) in its permanent pre-hook, and a decoder layer's (hidden
+states, RoPE, mask, cache) between layers of a pruned prefill. transformers names these arguments, and
+renames them (5.24: ``past_key_values`` -> ``cache``, the old name kept as a deprecated alias until 5.40),
+so the names are looked up once, when pruning is attached, from the installed release's signatures
+(``resolve``); the engine only uses the views below. A signature that matches no known contract is
+refused there (``release.refuse``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from priortr.compat.release import check_release, refuse
+
+CACHE_NAMES = ("cache", "past_key_values")
+"""Names a forward has taken its KV cache by, newest first. A release that renames it again needs one
+more entry here."""
+
+RAW_PIXEL_ARGUMENTS = ("pixel_values", "pixel_values_images", "pixel_values_videos")
+"""Model arguments that carry raw images or video (``pixel_values_images``: Video-LLaVA before 5.23)."""
+
+ENCODED_INPUTS = "mm_encoder_outputs"
+"""Where ``generate()`` passes images it encoded before the prefill, by modality."""
+
+TOKEN_ALIGNED = ("position_ids", "mm_token_type_ids", "token_type_ids")
+"""Model arguments with one entry per input token (last dimension), sliced with the tokens."""
+
+LAYER_INPUTS = ("hidden_states", "attention_mask", "position_embeddings")
+"""What every supported decoder layer takes besides its cache; ``position_ids`` is optional."""
+
+
+def _parameters(forward: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(forward).parameters)
+
+
+def _cache_name(parameters: tuple[str, ...], what: str) -> str:
+    for name in CACHE_NAMES:
+        if name in parameters:
+            return name
+    refuse(f"{what} takes its KV cache by none of the known names ({', '.join(CACHE_NAMES)})")
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    """The multimodal model's forward: its parameters in order, and the name it takes the cache by."""
+
+    parameters: tuple[str, ...]
+    cache: str
+
+    def call(self, args: tuple, kwargs: dict) -> ModelCall:
+        """The arguments of one call as a ``ModelCall``; a cache passed by a deprecated alias is moved to
+        the current name (the forward would do the same)."""
+        arguments = dict(zip(self.parameters, args, strict=False))
+        arguments.update(kwargs)
+        for alias in CACHE_NAMES:
+            if alias != self.cache and alias in arguments:
+                value = arguments.pop(alias)
+                if arguments.get(self.cache) is None:
+                    arguments[self.cache] = value
+        return ModelCall(arguments, self.cache)
+
+
+class ModelCall:
+    """One call of the multimodal model, by what the engine reads and rewrites in it."""
+
+    def __init__(self, arguments: dict, cache_name: str) -> None:
+        self.arguments = arguments
+        self._cache = cache_name
+
+    @property
+    def cache(self) -> Any:
+        return self.arguments.get(self._cache)
+
+    @property
+    def input_ids(self) -> torch.Tensor | None:
+        return self.arguments.get("input_ids")
+
+    @property
+    def _token_key(self) -> str:
+        return "input_ids" if self.arguments.get("input_ids") is not None else "inputs_embeds"
+
+    @property
+    def new_tokens(self) -> int:
+        """How many new tokens the call brings (input ids or embeddings)."""
+        tokens = self.arguments.get(self._token_key)
+        return 0 if tokens is None else tokens.shape[1]
+
+    @property
+    def attention_mask(self) -> Any:
+        return self.arguments.get("attention_mask")
+
+    @attention_mask.setter
+    def attention_mask(self, mask: Any) -> None:
+        self.arguments["attention_mask"] = mask
+
+    @property
+    def position_ids(self) -> torch.Tensor | None:
+        return self.arguments.get("position_ids")
+
+    @position_ids.setter
+    def position_ids(self, positions: torch.Tensor) -> None:
+        self.arguments["position_ids"] = positions
+
+    @property
+    def has_raw_pixels(self) -> bool:
+        """Whether the call brings raw images or video, which the vision tower encodes inside it."""
+        return any(self.arguments.get(key) is not None for key in RAW_PIXEL_ARGUMENTS)
+
+    @property
+    def has_visual_inputs(self) -> bool:
+        """Whether the call brings images (raw, or encoded by ``generate()`` before the prefill)."""
+        encoded = self.arguments.get(ENCODED_INPUTS) or {}
+        return self.has_raw_pixels or any(value is not None for value in encoded.values())
+
+    def drop_leading(self, count: int) -> None:
+        """Drop the first ``count`` new tokens (and the token-aligned arguments with them)."""
+        key = self._token_key
+        self.arguments[key] = self.arguments[key][:, count:]
+        for name in TOKEN_ALIGNED:
+            if isinstance(self.arguments.get(name), torch.Tensor):
+                self.arguments[name] = self.arguments[name][..., count:]
+
+    def hook_result(self) -> tuple[tuple, dict]:
+        """What a forward pre-hook returns to run the model on these arguments."""
+        return (), self.arguments
+
+
+@dataclass(frozen=True)
+class LayerContract:
+    """A decoder layer's forward: the name it takes the cache by (the other inputs are ``LAYER_INPUTS``)."""
+
+    cache: str
+
+    def call(self, args: tuple, kwargs: dict) -> LayerCall:
+        return LayerCall(args, kwargs, self.cache)
+
+
+class LayerCall:
+    """One call of a decoder layer: hidden states (first argument), RoPE, mask, cache, position ids."""
+
+    def __init__(self, args: tuple, kwargs: dict, cache_name: str) -> None:
+        self.args, self.kwargs = args, kwargs
+        self._cache = cache_name
+        if "position_embeddings" not in kwargs or cache_name not in kwargs:
+            missing = [name for name in ("position_embeddings", cache_name) if name not in kwargs]
+            refuse(
+                f"a decoder layer was called without {' or '.join(missing)}, which its signature names "
+                "and priortr needs to prune"
+            )
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+    @hidden.setter
+    def hidden(self, hidden: torch.Tensor) -> None:
+        if self.args:
+            self.args = (hidden, *self.args[1:])
+        else:
+            self.kwargs["hidden_states"] = hidden
+
+    @property
+    def cache(self) -> Any:
+        return self.kwargs[self._cache]
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, ...]:
+        """The layer's RoPE ``(cos, sin)``, each [B or 1, S, d]."""
+        return self.kwargs["position_embeddings"]
+
+    @rope.setter
+    def rope(self, rope: tuple[torch.Tensor, ...]) -> None:
+        self.kwargs["position_embeddings"] = rope
+
+    @property
+    def mask(self) -> Any:
+        return self.kwargs.get("attention_mask")
+
+    @mask.setter
+    def mask(self, mask: Any) -> None:
+        self.kwargs["attention_mask"] = mask
+
+    def clear_positions(self) -> None:
+        """Pass no position ids: RoPE arrives as gathered (cos, sin), and gapped ids would read as packed
+        sequences to FlashAttention."""
+        if "position_ids" in self.kwargs:
+            self.kwargs["position_ids"] = None
+
+    def hook_result(self) -> tuple[tuple, dict]:
+        return self.args, self.kwargs
+
+
+def resolve(multimodal: nn.Module, layers: nn.ModuleList) -> tuple[ModelContract, LayerContract]:
+    """The call contracts of ``multimodal`` (the module whose forward takes the prompt and the cache) and
+    of its decoder ``layers``; refuses a release or a model whose signatures match none."""
+    check_release()
+    model_parameters = _parameters(multimodal.forward)
+    model = ModelContract(model_parameters, _cache_name(model_parameters, type(multimodal).__name__))
+    names = set()
+    for layer_type in {type(layer) for layer in layers}:
+        parameters = _parameters(layer_type.forward)
+        what = f"decoder layer {layer_type.__name__}"
+        missing = [name for name in LAYER_INPUTS if name not in parameters]
+        if missing:
+            refuse(f"{what} takes no {', '.join(missing)}")
+        if parameters[1] != LAYER_INPUTS[0]:  # parameters[0] is self
+            refuse(f"{what} takes {parameters[1]!r} first, not the hidden states")
+        names.add(_cache_name(parameters, what))
+    if len(names) != 1:
+        refuse(f"the decoder layers take their cache by different names ({', '.join(sorted(names))})")
+    return model, LayerContract(names.pop())
