@@ -10,7 +10,7 @@ import torch
 import priortr
 from priortr.pools import split_count
 from tests.helpers.oracle import staged_reference
-from tests.helpers.pruned import assert_matches_reference, generate, row_alone, stage_masks
+from tests.helpers.pruned import assert_matches_reference, conversation, generate, row_alone, stage_masks
 from tests.helpers.tiny import llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl
 
 RAGGED_GRIDS = [(1, 4, 4), (1, 4, 8), (1, 8, 8)]  # 4, 8 and 16 visual tokens
@@ -113,9 +113,7 @@ def test_ragged_pre_llm_pruning_with_a_second_turn_matches_the_reference():
             **batch.kwargs(), max_new_tokens=2, do_sample=False, return_dict_in_generate=True
         )
         ref_second = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=ref_first.past_key_values,
+            **conversation(batch, ids, mask).kwargs(),
             max_new_tokens=3,
             do_sample=False,
             output_logits=True,

@@ -21,7 +21,7 @@ from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup
 from tests.helpers.oracle import staged_reference
-from tests.helpers.pruned import NEW_TOKENS, generate, kept_rows, row_alone, stage_masks
+from tests.helpers.pruned import NEW_TOKENS, conversation, generate, kept_rows, row_alone, stage_masks
 from tests.helpers.tiny import Batch, llava_batch, tiny_llava
 from tests.helpers.tiny_qwen3_vl import INJECTED_LAYERS as DEEPSTACK
 
@@ -83,15 +83,18 @@ def test_static_cache_with_stages_matches_staged_reference(family, method):
     assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + 4 + NEW_TOKENS - 1
 
 
-def _two_turns(model, batch: Batch):
-    """Turn 1 on the batch, then turn 2: the whole conversation as input_ids on turn 1's cache."""
+def _two_turns(model, batch: Batch, reference: bool = False):
+    """Turn 1 on the batch, then turn 2: the whole conversation as input_ids on turn 1's cache (the
+    reference, which keeps no cache, gets the whole conversation with its images)."""
     first = generate(model, batch)
     follow_up = torch.randint(10, 100, (batch.batch_size, 3), generator=torch.Generator().manual_seed(1))
     ids = torch.cat([first.sequences, follow_up], dim=1)
     mask = torch.cat([batch.attention_mask, torch.ones_like(ids[:, batch.seq_len :])], dim=1)
+    turn = (
+        conversation(batch, ids, mask).kwargs() if reference else {"input_ids": ids, "attention_mask": mask}
+    )
     return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        **turn,
         past_key_values=first.past_key_values,
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
@@ -107,7 +110,7 @@ def test_second_turn_on_a_cache_pruned_in_stages(method):
     with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
         second = _two_turns(model, batch)
     with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
-        expected = _two_turns(model, batch)
+        expected = _two_turns(model, batch, reference=True)
     assert torch.equal(second.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(second.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
     with torch.no_grad():
@@ -157,8 +160,10 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
     merge = _MERGE_WEIGHTS["last"].double()
 
     def write_merged(module, args, output):
+        """Layer L's output with the merged states written in (the reference runs the whole sequence,
+        prompt and generated tokens, at every step)."""
         hidden = output[0] if isinstance(output, tuple) else output
-        if hidden.shape[1] != batch.seq_len:
+        if hidden.shape[1] < batch.seq_len:
             return None
         hidden = hidden.clone()
         for row in range(batch.batch_size):
