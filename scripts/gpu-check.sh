@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every check that needs an accelerator, in one call of under 10 minutes, from a plain checkout on the
+# lent accelerator machines (their image: torch 2.11, transformers 5.17, Python 3.12; no network and no
+# install of ours: priortr runs from src/ on PYTHONPATH, with only packages the image has).
+#
+#   bash scripts/gpu-check.sh                      on the accelerator; results under $OUT
+#   PYTHON=.venv-floor/bin/python bash scripts/gpu-check.sh --device cpu --tiny
+#                                                  the same steps on a CPU, small: proves the script
+#
+# 1. env.txt: python, torch, transformers, the device.
+# 2. tests.log / tests.xml: every family pruned on the device in float64, float32, bfloat16 and float16
+#    against the masked reference (tests/engine/test_device_precision.py).
+# 3. bench.{json,md,png,jsonl}: `priortr bench` on the LLaVA-1.5-7B shape (random weights): vanilla, FastV and
+#    PriorTR at K = 192/128/64, batch 1/8/32, prefill and decode, with the roofline (--tiny: 4 decoder layers, batch 1).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+device=cuda tiny=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=$2; shift 2 ;;
+    --tiny) tiny=1; shift ;;
+    *) echo "usage: bash scripts/gpu-check.sh [--device cuda|cpu] [--tiny]" >&2; exit 2 ;;
+  esac
+done
+python=${PYTHON:-python3}
+out=${OUT:-gpu-check-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PRIORTR_TEST_DEVICE=$device
+status=0
+
+{
+  date -u
+  "$python" -c "import sys, torch, transformers; print('python', sys.version.split()[0]); print('torch', torch.__version__); print('transformers', transformers.__version__)"
+  "$python" -c "import torch; print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+echo "== equivalence on $device (float64, float32, bfloat16, float16)"
+"$python" -m pytest -p no:cacheprovider tests/engine/test_device_precision.py \
+  --junitxml="$out/tests.xml" > "$out/tests.log" 2>&1 || status=1
+tail -3 "$out/tests.log"
+
+echo "== bench on $device"
+if [ "$tiny" = 1 ]; then
+  grid=(--layers 4 --vision-layers 1 --budgets 64 --batch-sizes 1 --warmup 1 --repeats 2
+        --decode-repeats 1 --new-tokens 2 --text-tokens 8 --dtype float32)
+else
+  grid=(--budgets 192 128 64 --batch-sizes 1 8 32 --warmup 3 --repeats 7 --decode-repeats 2 --new-tokens 16
+        --dtype bfloat16)
+fi
+"$python" -m priortr.cli bench --model llava-1.5-7b --device "$device" --methods vanilla fastv priortr \
+  "${grid[@]}" --out "$out/bench" > "$out/bench.log" 2>&1 || status=1
+for f in bench.json bench.md bench.png bench.jsonl; do [ -f "$out/bench/$f" ] && cp "$out/bench/$f" "$out/$f"; done
+rm -rf "$out/bench"
+tail -25 "$out/bench.log"
+exit $status
