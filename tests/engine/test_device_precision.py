@@ -1,7 +1,8 @@
 """Pruning on the test device in every dtype a user runs, against the masked reference there.
 
 The rest of the suite compares in float64 on the CPU. Here every family runs on ``PRIORTR_TEST_DEVICE``
-(``cpu`` by default; ``scripts/gpu-check.sh`` sets ``cuda``) in float64, float32, bfloat16 and float16,
+(``cpu`` by default; ``scripts/gpu-check.sh`` sets ``cuda``) in float32, bfloat16 and float16 (and
+float64 off the CPU),
 and the pruned model is compared with the masked reference (``tests/helpers/oracle.py``) on the same
 device and in the same dtype: prefill logits of the kept real tokens agree to a tolerance of the
 dtype's rounding, while the stock model misses by more than twice that (the comparison can fail), the
@@ -36,7 +37,12 @@ def _on_device(batch, dtype: torch.dtype) -> dict:
     }
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+if DEVICE.type != "cpu":
+    DTYPES.insert(0, torch.float64)  # on the CPU, tests/engine/test_equivalence.py covers float64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruning_matches_the_reference_on_the_device(family, dtype):
     model, batch = setup(family, 2)
