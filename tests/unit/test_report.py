@@ -1,7 +1,7 @@
 """``priortr report``: the paper's table from lmms-eval results files, written here by hand.
 
 Expected values are computed by hand in the comments; the paper's own LLaVA-1.5-7B numbers
-(``shared/reference/paper-accuracy-llava15-7b.csv``, beside the repository) are turned into results
+(``benchmarks/reference/paper-accuracy-llava15-7b.csv``) are turned into results
 files with a conversion written here, independently of ``report.PAPER_BENCHMARKS``, and must give back
 the paper's cells and its Avg column.
 """
@@ -18,9 +18,7 @@ import pytest
 from priortr import report
 from priortr.cli import main
 
-PAPER_CSV = (
-    Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "paper-accuracy-llava15-7b.csv"
-)
+PAPER_CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "reference" / "paper-accuracy-llava15-7b.csv"
 MODEL = "llava-hf/llava-1.5-7b-hf"
 
 
@@ -203,7 +201,7 @@ TO_LMMS_EVAL = {
 
 def _paper_rows() -> list[dict[str, str]]:
     assert PAPER_CSV.is_file(), (
-        f"the paper's table is expected at {PAPER_CSV} (shared/ beside the repository)"
+        f"the paper's table is expected at {PAPER_CSV} (benchmarks/reference/)"
     )
     lines = [line for line in PAPER_CSV.read_text().splitlines() if line and not line.startswith("#")]
     return list(csv.DictReader(lines))
