@@ -200,9 +200,7 @@ TO_LMMS_EVAL = {
 
 
 def _paper_rows() -> list[dict[str, str]]:
-    assert PAPER_CSV.is_file(), (
-        f"the paper's table is expected at {PAPER_CSV} (benchmarks/reference/)"
-    )
+    assert PAPER_CSV.is_file(), f"the paper's table is expected at {PAPER_CSV} (benchmarks/reference/)"
     lines = [line for line in PAPER_CSV.read_text().splitlines() if line and not line.startswith("#")]
     return list(csv.DictReader(lines))
 
