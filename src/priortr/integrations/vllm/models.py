@@ -195,7 +195,7 @@ class PruningModel:
         all_residual = residual.new_empty(rows, width).index_copy_(0, live, residual)
         all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
         all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
-        positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept]).to(positions.dtype))
+        positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
         rope = positions[0] if self.linear_rope else positions
         text_model = self._text_model()
         for layer in text_model.layers[len(self._scored) :]:

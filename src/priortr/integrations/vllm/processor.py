@@ -11,6 +11,7 @@ paged cache of every layer holds text + K tokens per image. The N encoder rows s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -67,6 +68,13 @@ class PruningProcessor:
         """The Hugging Face processor never sees the ``priortr`` request setting."""
         hf_kwargs = {key: value for key, value in hf_kwargs.items() if key != SETTINGS_KEY}
         return super()._call_hf_processor(hf_data, hf_kwargs)
+
+    def get_dummy_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
+        its encoder cache and memory for unpruned requests, which a request may always ask for."""
+        inputs = super().get_dummy_inputs(*args, **kwargs)
+        off = {**inputs.hf_processor_mm_kwargs, SETTINGS_KEY: {"enabled": False}}
+        return replace(inputs, hf_processor_mm_kwargs=off)
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         """vLLM's processing, then the request's images cut to the placeholders they keep."""

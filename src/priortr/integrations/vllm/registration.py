@@ -24,11 +24,11 @@ class Qwen2_5_VLProcessor(PruningProcessor, qwen2_5_vl.Qwen2_5_VLMultiModalProce
     """Qwen2.5-VL's processor, pruned requests cut to K placeholders per image."""
 
 
-def llava_processor(info: object, dummy_inputs: object, *, cache: object = None) -> object:
+def llava_processor(info: object, dummy_inputs: object) -> object:
     """vLLM's LLaVA processor choice, with the pruning processor for LLaVA-1.5 (CLIP / SigLIP towers)."""
     if isinstance(info, llava.LlavaProcessingInfo):
-        return LlavaProcessor(info, dummy_inputs, cache=cache)
-    return llava._build_llava_or_pixtral_hf_processor(info, dummy_inputs, cache=cache)
+        return LlavaProcessor(info, dummy_inputs)
+    return llava._build_llava_or_pixtral_hf_processor(info, dummy_inputs)
 
 
 FAMILIES = (
