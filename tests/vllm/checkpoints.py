@@ -131,7 +131,6 @@ def _qwen_tokenizer() -> PreTrainedTokenizerFast:
         },
     )
     tokenizer.add_tokens(["\n"])
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"]}
-    )
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision})
     return tokenizer

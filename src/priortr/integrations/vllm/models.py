@@ -178,18 +178,24 @@ class PruningModel:
         live = torch.tensor([r for r in range(rows) if r not in taken], dtype=torch.long, device=device)
         positions = positions.clone()
         rope = positions[0] if self.linear_rope else positions
-        hidden, residual = inputs_embeds.index_select(0, live), None
+        hidden = inputs_embeds.index_select(0, live)
         live_rope = rope.index_select(-1, live)
+        residual = hidden
         for index, parts in enumerate(self._scored):
-            normed, residual = parts.attention_input(hidden, residual)
-            q, k, v = parts.project(normed, live_rope)
-            query = q.new_zeros(rows, q.shape[1]).index_copy_(0, live, q)
-            key = k.new_empty(rows, k.shape[1]).index_copy_(0, live, k)
-            value = v.new_empty(rows, v.shape[1]).index_copy_(0, live, v)
-            key.index_copy_(0, pruned, torch.cat([p.keys[index] for p in kept]))
-            value.index_copy_(0, pruned, torch.cat([p.values[index] for p in kept]))
+            key = torch.cat([p.keys[index] for p in kept])
+            value = torch.cat([p.values[index] for p in kept])
+            query = key.new_zeros(rows, parts.heads * parts.head_dim)
+            key = key.new_empty(rows, key.shape[1]).index_copy_(0, pruned, key)
+            value = value.new_empty(rows, value.shape[1]).index_copy_(0, pruned, value)
+            if live.numel():
+                normed, residual = parts.attention_input(hidden, residual if index else None)
+                q, k, v = parts.project(normed, live_rope)
+                query.index_copy_(0, live, q)
+                key.index_copy_(0, live, k)
+                value.index_copy_(0, live, v)
             attended = parts.attention(query, key, value)  # writes every row's key/value to the cache
-            hidden, residual = parts.output(attended.index_select(0, live), residual)
+            if live.numel():
+                hidden, residual = parts.output(attended.index_select(0, live), residual)
         width = inputs_embeds.shape[1]
         all_hidden = hidden.new_empty(rows, width).index_copy_(0, live, hidden)
         all_residual = residual.new_empty(rows, width).index_copy_(0, live, residual)
