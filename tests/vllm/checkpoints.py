@@ -1,4 +1,5 @@
-"""Tiny random-weight LLaVA and Qwen2-VL checkpoints that vLLM's CPU build can load, built offline.
+"""Tiny random-weight LLaVA, Qwen2-VL and Qwen2.5-VL checkpoints that vLLM's CPU build can load,
+built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -8,6 +9,7 @@ engines' float32 logits are unlikely.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     PreTrainedTokenizerFast,
+    Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
@@ -30,6 +33,7 @@ from tests.helpers.tiny import (
     QWEN_VISION_END_ID,
     QWEN_VISION_START_ID,
     VOCAB,
+    tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
 
@@ -76,25 +80,35 @@ def llava(path: str | Path) -> Path:
 
 def qwen2_vl(path: str | Path) -> Path:
     """Qwen2-VL with a 4-layer head_dim-32 text model; a 56x56 image is 4 visual tokens, 112x112 is 16."""
-    path = Path(path)
+    return _qwen(Path(path), tiny_qwen2_vl, "hidden_size", Qwen2VLProcessor, seed=2)
+
+
+def qwen2_5_vl(path: str | Path) -> Path:
+    """Qwen2.5-VL (windowed vision blocks) with the same text model and image sizes as ``qwen2_vl``."""
+    return _qwen(Path(path), tiny_qwen2_5_vl, "out_hidden_size", Qwen2_5_VLProcessor, seed=3)
+
+
+def _qwen(path: Path, build: Callable, merger_width: str, processor_class: type, seed: int) -> Path:
+    """A tiny Qwen-VL of ``build`` with the head_dim-32 text model; ``merger_width`` names the vision
+    config's output width (the text width)."""
     path.mkdir(parents=True, exist_ok=True)
-    model = tiny_qwen2_vl(dtype=torch.float32)
+    model = build(dtype=torch.float32)
     config = model.config
     for key, value in {**TEXT, "rope_parameters": QWEN_ROPE}.items():
         setattr(config.text_config, key, value)
-    config.vision_config.hidden_size = TEXT["hidden_size"]
+    setattr(config.vision_config, merger_width, TEXT["hidden_size"])
     torch.manual_seed(0)
     model = type(model)._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     model.save_pretrained(path)
     pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
-    processor = Qwen2VLProcessor(
+    processor = processor_class(
         image_processor=Qwen2VLImageProcessorPil(**pixels),
         video_processor=Qwen2VLVideoProcessor(**pixels),
         tokenizer=_qwen_tokenizer(),
         chat_template=QWEN_TEMPLATE,
     )
     processor.save_pretrained(path)
-    _widen(path, seed=2)
+    _widen(path, seed=seed)
     return path
 
 

@@ -32,3 +32,10 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.qwen2_5_vl(tmp_path_factory.mktemp("qwen2.5-vl"))

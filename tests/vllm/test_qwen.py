@@ -1,5 +1,6 @@
-"""Qwen2-VL (M-RoPE) served by vLLM with the plug-in, against priortr.apply + HF generate():
-several images per prompt, per-request budgets, and preemption by recompute under a tiny KV cache."""
+"""Qwen2-VL and Qwen2.5-VL (M-RoPE) served by vLLM with the plug-in, against priortr.apply + HF
+generate(): several images per prompt, per-request budgets, and (Qwen2-VL) preemption by recompute
+under a tiny KV cache."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
 TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
 
 
-@pytest.fixture(scope="module")
-def llm(qwen_dir):
+@pytest.fixture(scope="module", params=["qwen_dir", "qwen2_5_dir"], ids=["qwen2-vl", "qwen2.5-vl"])
+def served(request):
+    """(checkpoint, engine) of Qwen2-VL, then of Qwen2.5-VL (its windowed vision tower is vLLM's own)."""
+    path = request.getfixturevalue(request.param)
     engine = LLM(
-        model=str(qwen_dir),
+        model=str(path),
         hf_overrides={"priortr": SETTINGS},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
-    yield engine
+    yield path, engine
     del engine
 
 
@@ -33,7 +36,8 @@ def request(prompt: str, images: list, budget: dict | None = None) -> dict:
     return out
 
 
-def test_one_and_two_images_with_per_request_budgets(llm, qwen_dir):
+def test_one_and_two_images_with_per_request_budgets(served):
+    path, llm = served
     cases = [
         (ONE, [image(112, 0)], None),
         (TWO, [image(112, 1), image(56, 2)], None),  # 16 + 4 tokens: the budget splits 5 + 1
@@ -44,9 +48,9 @@ def test_one_and_two_images_with_per_request_budgets(llm, qwen_dir):
     outs = llm.generate([request(*case) for case in cases], params, use_tqdm=False)
     for (prompt, images, budget), out in zip(cases, outs, strict=True):
         settings = None if budget == {"enabled": False} else {**SETTINGS, **(budget or {})}
-        assert list(out.outputs[0].token_ids) == hf_tokens(qwen_dir, prompt, images, settings, TOKENS)
+        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, settings, TOKENS)
     assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 6, 12 + 10, 9 + 16]
-    assert hf_tokens(qwen_dir, *cases[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
+    assert hf_tokens(path, *cases[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
 
 
 def test_preemption_by_recompute_is_exact(qwen_dir):
