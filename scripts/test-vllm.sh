@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv-vllm/bin/vllm ] || bash scripts/setup-vllm.sh
+.venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 .venv-vllm/bin/pytest tests/vllm -p no:cacheprovider "$@"
