@@ -1,9 +1,12 @@
-"""The one module that knows vLLM's decoder layers: a layer taken apart into the steps a pruned
-prefill runs separately, and the batch facts read from vLLM's attention metadata.
+"""The one module that knows vLLM's decoder layers: the language model split at the scored layer, a
+layer taken apart into the steps a pruned prefill runs separately, and the batch facts read from
+vLLM's attention metadata.
 
 vLLM's Llama and Qwen2 decoder layers (LLaVA-1.5's and Qwen2/2.5-VL's language models) are
 ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp``
-with a fused residual; a layer of another shape is refused when the model loads, with its type named.
+with a fused residual, called as ``layer(positions, hidden, residual)``, and the language model ends
+in a norm that takes the residual too; a layer of another shape is refused when the model loads, with
+its type named.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ class LayerParts:
         hidden, residual = self.layer.post_attention_layernorm(hidden, residual)
         return self.layer.mlp(hidden), residual
 
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """vLLM's attention layer on this step's rows [T, .]: it writes every row's key/value into
+        its request's paged-cache slots and attends over the cache; the output is [T, H*d]."""
+        return self.attention(q, k, v)
+
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention [T, H*d] of one whole sequence with itself (a prompt computed outside the
         paged cache), grouped-query heads shared as the layer shares them."""
@@ -80,6 +88,33 @@ class LayerParts:
     def heads_view(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """[T, heads*d] -> [1, heads, T, d]."""
         return x.view(x.shape[0], heads, self.head_dim).transpose(0, 1)[None]
+
+
+class TextModel:
+    """A served model's language model split at the scored layer ``layer``: ``scored`` (layers
+    0..layer, taken apart) and the layers after it, run whole with the final norm by ``finish``.
+    Every layer is checked when the model loads."""
+
+    def __init__(self, model: torch.nn.Module, layer: int) -> None:
+        text_model = getattr(getattr(model, "language_model", None), "model", None)
+        if not hasattr(text_model, "layers") or not hasattr(text_model, "norm"):
+            raise ValueError(
+                f"priortr's vLLM plug-in runs a language model at .language_model.model with .layers and "
+                f".norm; {type(model).__name__} has none"
+            )
+        layers = list(text_model.layers)
+        self.scored = [LayerParts(each) for each in layers[: layer + 1]]
+        for each in layers[layer + 1 :]:
+            LayerParts(each)  # refuses a layer shape the plug-in does not know, before serving
+        self._rest = layers[layer + 1 :]
+        self._norm = text_model.norm
+
+    def finish(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layers after the scored one on (hidden, residual) [T, D], then the final norm."""
+        for layer in self._rest:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self._norm(hidden, residual)
+        return hidden
 
 
 def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:

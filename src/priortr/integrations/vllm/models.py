@@ -27,7 +27,7 @@ from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
-from priortr.integrations.vllm.layers import LayerParts, batch_layout
+from priortr.integrations.vllm.layers import TextModel, batch_layout
 from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
 from priortr.integrations.vllm.prefill import (
     KeptPrompt,
@@ -69,13 +69,7 @@ class PruningModel:
         self._hf_config = hf_config
         self._adapter = adapter_for_type(hf_config.model_type)
         self._image_token = self._adapter.visual_token_ids(hf_config)["image"]
-        layers = self._text_model().layers
-        self._scored = [LayerParts(layer) for layer in layers[: self.priortr.layer + 1]]
-        for layer in layers[self.priortr.layer + 1 :]:
-            LayerParts(layer)  # refuses a layer shape the plug-in does not know, before serving
-
-    def _text_model(self) -> torch.nn.Module:
-        return self.language_model.model
+        self._text = TextModel(self, self.priortr.layer)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         embeddings = super().embed_multimodal(**kwargs)
@@ -144,13 +138,13 @@ class PruningModel:
     @torch.no_grad()
     def _pruned_forward(self, step: StepInputs, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
         """One step holding pruned prompts: see the module docstring."""
-        starts, seq_lens = batch_layout(self._scored[0])
+        starts, seq_lens = batch_layout(self._text.scored[0])
         prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.linear_rope)
         kept = [
             prefill_prompt(
                 prompt,
                 inputs_embeds,
-                self._scored,
+                self._text.scored,
                 self.priortr,
                 self._adapter,
                 self._hf_config,
@@ -181,7 +175,7 @@ class PruningModel:
         hidden = inputs_embeds.index_select(0, live)
         live_rope = rope.index_select(-1, live)
         residual = hidden
-        for index, parts in enumerate(self._scored):
+        for index, parts in enumerate(self._text.scored):
             key = torch.cat([p.keys[index] for p in kept])
             value = torch.cat([p.values[index] for p in kept])
             query = key.new_zeros(rows, parts.heads * parts.head_dim)
@@ -193,7 +187,7 @@ class PruningModel:
                 query.index_copy_(0, live, q)
                 key.index_copy_(0, live, k)
                 value.index_copy_(0, live, v)
-            attended = parts.attention(query, key, value)  # writes every row's key/value to the cache
+            attended = parts.paged_attention(query, key, value)
             if live.numel():
                 hidden, residual = parts.output(attended.index_select(0, live), residual)
         width = inputs_embeds.shape[1]
@@ -203,11 +197,7 @@ class PruningModel:
         all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
         positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
         rope = positions[0] if self.linear_rope else positions
-        text_model = self._text_model()
-        for layer in text_model.layers[len(self._scored) :]:
-            all_hidden, all_residual = layer(rope, all_hidden, all_residual)
-        all_hidden, _ = text_model.norm(all_hidden, all_residual)
-        return all_hidden
+        return self._text.finish(rope, all_hidden, all_residual)
 
 
 class PruningLlava(PruningModel, LlavaForConditionalGeneration):
