@@ -30,7 +30,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -342,7 +341,6 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
-            "priortr_commit": _commit(),
         },
         "machine": {
             "cpu": _cpu_name(),
@@ -413,15 +411,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
         flag = "--" + key.replace("_", "-")
         out += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def _cpu_name() -> str:
