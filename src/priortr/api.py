@@ -131,42 +131,18 @@ def apply(
             f"{type(model).__name__} lacks its parts ({error})"
         ) from error
     info = get_method(method)
-    if stages is not None and (budget is not None or layer is not None):
-        given = ", ".join(
-            f"{name}={value!r}" for name, value in (("budget", budget), ("layer", layer)) if value is not None
-        )
-        raise ValueError(
-            f"stages= sets the layer and budget of every stage, so it conflicts with {given}; "
-            "pass either stages or budget/layer"
-        )
-    budget = DEFAULT_BUDGET if budget is None else budget
-    resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
-    layer = _check_layer(info, layer, n_layers)
-    stages = _check_stages(info, stages, n_layers)
-    options = _check_options(info, options)
     if info.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
         raise ValueError(
             f"{method} ranks by the vision tower's [CLS] attention, and this {adapter.name} model's vision "
             "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"
         )
-    if heads not in HEAD_AGGREGATIONS:
-        raise ValueError(f"heads must be one of {', '.join(HEAD_AGGREGATIONS)}; got {heads!r}")
-    if posterior_rows not in POSTERIOR_ROWS:
-        raise ValueError(f"posterior_rows must be one of {', '.join(POSTERIOR_ROWS)}; got {posterior_rows!r}")
-    if isinstance(separator_offset, bool) or not isinstance(separator_offset, int) or separator_offset < 0:
-        raise ValueError(f"separator_offset must be an int >= 0; got {separator_offset!r}")
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False; got {strict!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an int; got {seed!r}")
-    if multi_image not in MULTI_IMAGE:
-        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
     if model in _ATTACHED:
         raise ValueError("this model already has priortr attached; call .remove() on that handle first")
-    config = PruningConfig(
-        method=info,
-        budget=budget,
-        layer=layer,
+    config = pruning_config(
+        method,
+        budget,
+        layer,
+        n_layers=n_layers,
         stages=stages,
         options=options,
         heads=heads,
@@ -182,6 +158,65 @@ def apply(
     handle = PruningHandle(engine)
     _ATTACHED[model] = handle
     return handle
+
+
+def pruning_config(
+    method: str = "priortr",
+    budget: int | float | None = None,
+    layer: int | None = None,
+    *,
+    n_layers: int,
+    stages: Sequence[tuple[int, int | float]] | None = None,
+    options: Mapping[str, Any] | None = None,
+    heads: str = "mean",
+    posterior_rows: str = "after_separator",
+    separator_offset: int = 0,
+    multi_image: str = "per_image",
+    strict: bool = False,
+    seed: int = 0,
+) -> PruningConfig:
+    """The checked ``PruningConfig`` of :func:`apply`'s settings for a language model of ``n_layers``
+    decoder layers; every front end (``apply``, the vLLM plug-in) validates through here, so a bad
+    setting gets the same message everywhere."""
+    info = get_method(method)
+    if stages is not None and (budget is not None or layer is not None):
+        given = ", ".join(
+            f"{name}={value!r}" for name, value in (("budget", budget), ("layer", layer)) if value is not None
+        )
+        raise ValueError(
+            f"stages= sets the layer and budget of every stage, so it conflicts with {given}; "
+            "pass either stages or budget/layer"
+        )
+    budget = DEFAULT_BUDGET if budget is None else budget
+    resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
+    layer = _check_layer(info, layer, n_layers)
+    stages = _check_stages(info, stages, n_layers)
+    options = _check_options(info, options)
+    if heads not in HEAD_AGGREGATIONS:
+        raise ValueError(f"heads must be one of {', '.join(HEAD_AGGREGATIONS)}; got {heads!r}")
+    if posterior_rows not in POSTERIOR_ROWS:
+        raise ValueError(f"posterior_rows must be one of {', '.join(POSTERIOR_ROWS)}; got {posterior_rows!r}")
+    if isinstance(separator_offset, bool) or not isinstance(separator_offset, int) or separator_offset < 0:
+        raise ValueError(f"separator_offset must be an int >= 0; got {separator_offset!r}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False; got {strict!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an int; got {seed!r}")
+    if multi_image not in MULTI_IMAGE:
+        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
+    return PruningConfig(
+        method=info,
+        budget=budget,
+        layer=layer,
+        stages=stages,
+        options=options,
+        heads=heads,
+        posterior_rows=posterior_rows,
+        separator_offset=separator_offset,
+        multi_image=multi_image,
+        strict=strict,
+        seed=seed,
+    )
 
 
 def _is_int(value: object) -> bool:

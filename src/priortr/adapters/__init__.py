@@ -46,6 +46,17 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     return _ADAPTERS[model_type]
 
 
+def adapter_for_type(model_type: str) -> FamilyAdapter:
+    """The adapter registered for a config's ``model_type`` (front ends that hold a config, not a
+    transformers model: the vLLM plug-in), or a ValueError naming the supported model types."""
+    if model_type not in _ADAPTERS:
+        raise ValueError(
+            f"priortr does not support model_type={model_type!r}; supported model types: "
+            f"{', '.join(supported_model_types())}"
+        )
+    return _ADAPTERS[model_type]
+
+
 register_adapter(LlavaAdapter())
 register_adapter(QwenVLAdapter())
 register_adapter(Qwen3VLAdapter())
@@ -55,4 +66,11 @@ register_adapter(LlavaNextAdapter())
 register_adapter(LlavaOnevisionAdapter())
 register_adapter(VideoLlavaAdapter())
 
-__all__ = ["FamilyAdapter", "adapter_for", "register_adapter", "supported_families", "supported_model_types"]
+__all__ = [
+    "FamilyAdapter",
+    "adapter_for",
+    "adapter_for_type",
+    "register_adapter",
+    "supported_families",
+    "supported_model_types",
+]

@@ -10,6 +10,7 @@ here, so the stages issue their device work without reading anything back from t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,9 +120,14 @@ def plan_on_host(
     input_ids: torch.Tensor,
     valid: torch.Tensor,
     n_layers: int,
+    counts: Sequence[int] | None = None,
 ) -> HostPlan | None:
     """Images, pools, stages and attention rows from host copies of the prompt ``input_ids`` and its
-    padding mask ``valid`` [B, S]; None when the prompt has no image tokens."""
+    padding mask ``valid`` [B, S]; None when the prompt has no image tokens.
+
+    ``counts`` fixes the tokens each pool keeps at ``config.layer`` (one stage), in pool order, for a
+    caller that laid out that many slots per image already (the vLLM plug-in's prompts); None plans
+    them from ``config``'s budget."""
     items = adapter.visual_items(model_config, input_ids)
     if not items:
         return None
@@ -129,9 +135,15 @@ def plan_on_host(
     visual = torch.zeros(batch, seq, dtype=torch.bool)
     for item in items:
         visual[item.row, item.positions] = True
-    pools = make_pools(
-        items, lambda n, part: config.plan(n, n_layers, part), config.multi_image, config.separator_offset
-    )
+    if counts is None:
+        pools = make_pools(
+            items, lambda n, part: config.plan(n, n_layers, part), config.multi_image, config.separator_offset
+        )
+    else:
+        fixed = iter(counts)
+        pools = make_pools(
+            items, lambda n, part: [(config.layer, next(fixed))], config.multi_image, config.separator_offset
+        )
     host = HostPlan(
         pools=pools,
         stages=sorted({layer for pool in pools for layer in pool.stages}),

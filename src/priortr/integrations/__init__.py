@@ -1,0 +1,1 @@
+"""Front ends that run priortr inside other serving or evaluation engines, one subpackage each."""

@@ -1,0 +1,73 @@
+"""Engine settings a pruning model cannot serve exactly, refused when the engine starts.
+
+vLLM calls a model architecture's config hook (``MODELS_CONFIG_MAP``) while it builds its config;
+these hooks act only when the model config carries ``priortr`` settings. Each refusal names the
+setting to change: a garbled answer is never an option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+from priortr.integrations.vllm.processor import served_config
+
+LINEAR_ROPE_CHANNELS = [1, 1, 1]
+"""A 3-channel M-RoPE layout declared on a 1-D RoPE model's top-level config, so that vLLM keeps
+per-request positions for it (``positions.py``); its language model still builds plain RoPE."""
+
+
+def refusals(vllm_config: Any) -> list[str]:
+    """What in ``vllm_config`` a pruning model cannot serve exactly, one line per setting."""
+    out = []
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        out.append(
+            "chunked prefill: layer L scores the whole prompt in one step; pass "
+            "--no-enable-chunked-prefill (LLM(enable_chunked_prefill=False))"
+        )
+    if vllm_config.cache_config.enable_prefix_caching:
+        out.append(
+            "prefix caching: a cached prefix would skip layers 0..L and hold another request's kept "
+            "tokens; pass --no-enable-prefix-caching (LLM(enable_prefix_caching=False))"
+        )
+    if not vllm_config.model_config.enforce_eager:
+        out.append(
+            "torch.compile / CUDA graphs: a pruned step plans on the host between layers; pass "
+            "--enforce-eager (LLM(enforce_eager=True))"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        out.append(
+            "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
+            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with data parallelism)"
+        )
+    if vllm_config.speculative_config is not None:
+        out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
+    return out
+
+
+class PruningConfigHook(VerifyAndUpdateConfig):
+    """Refuse what cannot be served exactly; give a 1-D RoPE model per-request positions."""
+
+    linear_rope = False
+
+    @classmethod
+    def verify_and_update_model_config(cls, model_config: Any) -> None:
+        hf_config = model_config.hf_config
+        if served_config(hf_config) is not None and cls.linear_rope:
+            hf_config.mrope_section = LINEAR_ROPE_CHANNELS
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        if served_config(vllm_config.model_config.hf_config) is None:
+            return
+        problems = refusals(vllm_config)
+        if problems:
+            raise ValueError(
+                "priortr cannot prune exactly with these vLLM settings:\n- " + "\n- ".join(problems)
+            )
+
+
+class LinearRopeConfigHook(PruningConfigHook):
+    linear_rope = True

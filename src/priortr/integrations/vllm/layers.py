@@ -1,0 +1,130 @@
+"""The one module that knows vLLM's decoder layers: the language model split at the scored layer, a
+layer taken apart into the steps a pruned prefill runs separately, and the batch facts read from
+vLLM's attention metadata.
+
+vLLM's Llama and Qwen2 decoder layers (LLaVA-1.5's and Qwen2/2.5-VL's language models) are
+``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp``
+with a fused residual, called as ``layer(positions, hidden, residual)``, and the language model ends
+in a norm that takes the residual too; a layer of another shape is refused when the model loads, with
+its type named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from vllm.forward_context import get_forward_context
+
+KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer"})
+_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+_ATTENTION_PARTS = ("qkv_proj", "rotary_emb", "attn", "o_proj", "q_size", "kv_size", "num_heads")
+
+
+class LayerParts:
+    """One decoder layer's steps: the input norm, the q/k/v projections with RoPE, and everything
+    after attention (output projection, norm, MLP). ``attention`` is vLLM's paged attention layer."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        name = type(layer).__name__
+        missing = [part for part in _PARTS if not hasattr(layer, part)]
+        attention = getattr(layer, "self_attn", None)
+        missing += [part for part in _ATTENTION_PARTS if not hasattr(attention, part)]
+        if name not in KNOWN_LAYERS or missing or getattr(attention, "qk_norm", False):
+            raise ValueError(
+                f"priortr's vLLM plug-in runs {', '.join(sorted(KNOWN_LAYERS))} (without q/k norms); this "
+                f"model's decoder layer is {name}{' lacking ' + ', '.join(missing) if missing else ''}"
+            )
+        self.layer = layer
+        self.module = attention
+        self.attention = attention.attn
+        self.heads = attention.num_heads
+        self.kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.scaling = attention.scaling
+
+    def attention_input(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed attention input and the residual stream, as the layer forms them."""
+        if residual is None:
+            return self.layer.input_layernorm(hidden), hidden
+        return self.layer.input_layernorm(hidden, residual)
+
+    def project(
+        self, normed: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H*d], k [T, Hkv*d] after RoPE at ``positions``, and v [T, Hkv*d]."""
+        module = self.module
+        qkv, _ = module.qkv_proj(normed)
+        q, k, v = qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+        q, k = module.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (hidden, residual) output from its attention output [T, H*d]."""
+        hidden, _ = self.module.o_proj(attended)
+        hidden, residual = self.layer.post_attention_layernorm(hidden, residual)
+        return self.layer.mlp(hidden), residual
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """vLLM's attention layer on this step's rows [T, .]: it writes every row's key/value into
+        its request's paged-cache slots and attends over the cache; the output is [T, H*d]."""
+        return self.attention(q, k, v)
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention [T, H*d] of one whole sequence with itself (a prompt computed outside the
+        paged cache), grouped-query heads shared as the layer shares them."""
+        length = q.shape[0]
+        query = q.view(length, self.heads, self.head_dim).transpose(0, 1)[None]  # [1, H, T, d]
+        key = k.view(length, self.kv_heads, self.head_dim).transpose(0, 1)[None]  # [1, Hkv, T, d]
+        value = v.view(length, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=self.scaling, enable_gqa=True
+        )
+        return out[0].transpose(0, 1).reshape(length, self.heads * self.head_dim)
+
+    def heads_view(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """[T, heads*d] -> [1, heads, T, d]."""
+        return x.view(x.shape[0], heads, self.head_dim).transpose(0, 1)[None]
+
+
+class TextModel:
+    """A served model's language model split at the scored layer ``layer``: ``scored`` (layers
+    0..layer, taken apart) and the layers after it, run whole with the final norm by ``finish``.
+    Every layer is checked when the model loads."""
+
+    def __init__(self, model: torch.nn.Module, layer: int) -> None:
+        text_model = getattr(getattr(model, "language_model", None), "model", None)
+        if not hasattr(text_model, "layers") or not hasattr(text_model, "norm"):
+            raise ValueError(
+                f"priortr's vLLM plug-in runs a language model at .language_model.model with .layers and "
+                f".norm; {type(model).__name__} has none"
+            )
+        layers = list(text_model.layers)
+        self.scored = [LayerParts(each) for each in layers[: layer + 1]]
+        for each in layers[layer + 1 :]:
+            LayerParts(each)  # refuses a layer shape the plug-in does not know, before serving
+        self._rest = layers[layer + 1 :]
+        self._norm = text_model.norm
+
+    def finish(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layers after the scored one on (hidden, residual) [T, D], then the final norm."""
+        for layer in self._rest:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self._norm(hidden, residual)
+        return hidden
+
+
+def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:
+    """Host copies of this step's request boundaries (query start locations, R + 1 of them) and each
+    request's tokens in the cache after the step (sequence lengths), from vLLM's attention metadata."""
+    metadata: Any = get_forward_context().attn_metadata
+    entry = metadata.get(layer.attention.layer_name) if isinstance(metadata, dict) else None
+    if entry is None or not hasattr(entry, "query_start_loc") or not hasattr(entry, "seq_lens"):
+        raise RuntimeError(
+            "priortr's vLLM plug-in reads query_start_loc and seq_lens from the attention metadata; "
+            f"this attention backend gives {type(entry).__name__}"
+        )
+    return entry.query_start_loc.tolist(), entry.seq_lens.tolist()

@@ -1,0 +1,257 @@
+"""LLaVA-1.5, Qwen2-VL and Qwen2.5-VL as vLLM serves them, pruning visual tokens after decoder layer L.
+
+Each class is vLLM's own model class with four hooks, inert unless the model config carries
+``priortr`` settings (then it behaves exactly as the stock class):
+
+* ``embed_multimodal``: each image's N encoder rows travel as one row of N * D values, so vLLM's
+  encoder cache holds the whole image whatever K the prompt laid out for it (the cache is keyed by the
+  image, not by the request, and K depends on the request);
+* ``embed_input_ids``: unpacks them; an image that keeps all N is merged as vLLM merges it;
+* ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); LLaVA is
+  given vLLM's per-request M-RoPE bookkeeping for this, its layers still get 1-D positions;
+* ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill.py``),
+  writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
+  layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
+  original positions. Any other step is the stock forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
+
+from priortr.adapters import adapter_for_type
+from priortr.integrations.vllm.layers import TextModel, batch_layout
+from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
+from priortr.integrations.vllm.prefill import (
+    KeptPrompt,
+    PrunedPrompt,
+    StepImage,
+    StepInputs,
+    plan_step,
+    prefill_prompt,
+)
+from priortr.integrations.vllm.processor import served_config
+
+
+def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
+    """Host list of the maximal runs [start, end) of True in ``is_multimodal`` [T]."""
+    flags = is_multimodal.tolist()
+    runs, start = [], None
+    for row, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = row
+        elif not flag and start is not None:
+            runs.append((start, row))
+            start = None
+    return runs
+
+
+class PruningModel:
+    """Mixin over a vLLM multimodal model class; see the module docstring."""
+
+    linear_rope = False
+    """True for a 1-D RoPE family served through vLLM's M-RoPE bookkeeping (LLaVA)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf_config = vllm_config.model_config.hf_config
+        self.priortr = served_config(hf_config)
+        self._step: StepInputs | None = None
+        if self.priortr is None:
+            return
+        self._hf_config = hf_config
+        self._adapter = adapter_for_type(hf_config.model_type)
+        self._image_token = self._adapter.visual_token_ids(hf_config)["image"]
+        self._text = TextModel(self, self.priortr.layer)
+
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        embeddings = super().embed_multimodal(**kwargs)
+        if self.priortr is None:
+            return embeddings
+        return [image.reshape(1, -1) for image in embeddings]  # [1, N * D] per image
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Any = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self._step = None
+        if self.priortr is None or not multimodal_embeddings:
+            return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+        width = self._hf_config.get_text_config().hidden_size
+        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, D] each
+        images, runs = [], iter(image_runs(is_multimodal))
+        row, end = next(runs)
+        for embeddings in items:
+            if row == end:
+                row, end = next(runs)
+            kept = min(embeddings.shape[0], end - row)
+            images.append(StepImage(row, kept, embeddings))
+            row += kept
+        if any(image.pruned for image in images):
+            self._step = StepInputs(input_ids.tolist(), images)
+        merged = [image.embeddings[: image.kept] for image in images]
+        return super().embed_input_ids(input_ids, merged, is_multimodal=is_multimodal)
+
+    def get_mrope_input_positions(
+        self, input_tokens: list[int], mm_features: list
+    ) -> tuple[torch.Tensor, int]:
+        if self.priortr is None:
+            return super().get_mrope_input_positions(input_tokens, mm_features)
+        images = [self._slots(feature) for feature in mm_features if feature.modality == "image"]
+        others = [feature for feature in mm_features if feature.modality != "image"]
+
+        def full(prompt: list[int], starts: list[int]) -> tuple[torch.Tensor, int]:
+            return self._full_positions(prompt, starts, mm_features, others)
+
+        return request_positions(input_tokens, images, self._image_token, full)
+
+    def _stock_positions(self, prompt: list[int], features: list) -> tuple[torch.Tensor, int]:
+        """The stock class's M-RoPE positions (Qwen)."""
+        return super().get_mrope_input_positions(prompt, features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> Any:
+        step, self._step = self._step, None
+        if step is None:
+            layer_positions = positions[0] if self.linear_rope and positions.ndim == 2 else positions
+            return super().forward(input_ids, layer_positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if inputs_embeds is None or inputs_embeds.shape[0] != len(step.input_ids):
+            raise RuntimeError("priortr: the step's embeddings do not match the tokens embed_input_ids saw")
+        return self._pruned_forward(step, positions, inputs_embeds)
+
+    @torch.no_grad()
+    def _pruned_forward(self, step: StepInputs, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
+        """One step holding pruned prompts: see the module docstring."""
+        starts, seq_lens = batch_layout(self._text.scored[0])
+        prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.linear_rope)
+        kept = [
+            prefill_prompt(
+                prompt,
+                inputs_embeds,
+                self._text.scored,
+                self.priortr,
+                self._adapter,
+                self._hf_config,
+                self.linear_rope,
+            )
+            for prompt in prompts
+        ]
+        return self._run_batch(prompts, kept, positions, inputs_embeds)
+
+    def _run_batch(
+        self,
+        prompts: list[PrunedPrompt],
+        kept: list[KeptPrompt],
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's batch through every layer: layers 0..L on the rows vLLM computes (everything but
+        the pruned prompts) while the pruned prompts' kept keys/values enter the paged cache, then
+        layers L+1.. on every row, the pruned prompts' rows holding their kept tokens."""
+        device = inputs_embeds.device
+        rows = inputs_embeds.shape[0]
+        pruned_rows = [r for p in prompts for r in range(p.start, p.start + p.length)]
+        taken = set(pruned_rows)
+        pruned = torch.tensor(pruned_rows, dtype=torch.long, device=device)
+        live = torch.tensor([r for r in range(rows) if r not in taken], dtype=torch.long, device=device)
+        positions = positions.clone()
+        rope = positions[0] if self.linear_rope else positions
+        hidden = inputs_embeds.index_select(0, live)
+        live_rope = rope.index_select(-1, live)
+        residual = hidden
+        for index, parts in enumerate(self._text.scored):
+            key = torch.cat([p.keys[index] for p in kept])
+            value = torch.cat([p.values[index] for p in kept])
+            query = key.new_zeros(rows, parts.heads * parts.head_dim)
+            key = key.new_empty(rows, key.shape[1]).index_copy_(0, pruned, key)
+            value = value.new_empty(rows, value.shape[1]).index_copy_(0, pruned, value)
+            if live.numel():
+                normed, residual = parts.attention_input(hidden, residual if index else None)
+                q, k, v = parts.project(normed, live_rope)
+                query.index_copy_(0, live, q)
+                key.index_copy_(0, live, k)
+                value.index_copy_(0, live, v)
+            attended = parts.paged_attention(query, key, value)
+            if live.numel():
+                hidden, residual = parts.output(attended.index_select(0, live), residual)
+        width = inputs_embeds.shape[1]
+        all_hidden = hidden.new_empty(rows, width).index_copy_(0, live, hidden)
+        all_residual = residual.new_empty(rows, width).index_copy_(0, live, residual)
+        all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
+        all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
+        positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
+        rope = positions[0] if self.linear_rope else positions
+        return self._text.finish(rope, all_hidden, all_residual)
+
+
+class PruningLlava(PruningModel, LlavaForConditionalGeneration):
+    """vLLM's LLaVA-1.5 with priortr (1-D RoPE)."""
+
+    supports_mrope = True
+    linear_rope = True
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = vllm_config.model_config.hf_config
+        info = get_vision_encoder_info(config)
+        size = info.get_image_size()
+        self._tokens_per_image = get_num_selected_vision_tokens(
+            info.get_num_image_tokens(image_width=size, image_height=size),
+            config.vision_feature_select_strategy,
+        )
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        span = feature.mm_position
+        return ImageSlots(span.offset, span.length, self._tokens_per_image, (1, self._tokens_per_image))
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        return linear_positions(prompt, starts)
+
+
+class QwenPositions:
+    """M-RoPE positions of Qwen2-VL / Qwen2.5-VL requests, from vLLM's own rule on the full prompt."""
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        span = feature.mm_position
+        _, height, width = feature.data["image_grid_thw"].data.tolist()
+        merge = self.config.vision_config.spatial_merge_size
+        grid = (height // merge, width // merge)
+        return ImageSlots(span.offset, span.length, grid[0] * grid[1], grid)
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        """vLLM's positions of ``prompt`` (every image whole), its images' placeholders moved to
+        ``starts``; other items (videos) stay where they are, in a request that prunes nothing."""
+        images = sorted((f for f in features if f.modality == "image"), key=lambda f: f.mm_position.offset)
+        moved = [
+            replace(f, mm_position=replace(f.mm_position, offset=start, length=self._slots(f).tokens))
+            for f, start in zip(images, starts, strict=True)
+        ]
+        return self._stock_positions(prompt, [*moved, *others])
+
+
+class PruningQwen2VL(QwenPositions, PruningModel, Qwen2VLForConditionalGeneration):
+    """vLLM's Qwen2-VL with priortr (M-RoPE)."""
+
+
+class PruningQwen2_5_VL(QwenPositions, PruningModel, Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with priortr (M-RoPE)."""

@@ -1,0 +1,243 @@
+"""A pruned prefill inside one vLLM step: plan it on the host, run layers 0..L on each pruned prompt
+whole, score with the library's method, keep K tokens per image.
+
+A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
+K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
+through layers 0..L once, as one causal sequence outside the paged cache; layer L's attention rows
+(``priortr.probe.attention_rows``) feed the method through the same evidence code as ``priortr.apply``
+(``priortr.engine.evidence``). What survives is the prompt's text and the kept visual tokens, exactly
+as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after layer L and
+their original positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+from priortr.adapters import FamilyAdapter
+from priortr.engine.config import PruningConfig
+from priortr.engine.evidence import groups, stage_inputs
+from priortr.engine.plan import PrefillPlan, plan_on_host
+from priortr.engine.sequence import SequenceMap
+from priortr.integrations.vllm.layers import LayerParts
+from priortr.integrations.vllm.positions import image_positions
+from priortr.probe import RowSpec, attention_rows
+
+
+@dataclass(frozen=True)
+class StepImage:
+    """An image scheduled in this step: the batch row of its first placeholder, its placeholder count
+    K and its N encoder embeddings [N, D]."""
+
+    row: int
+    kept: int
+    embeddings: torch.Tensor
+
+    @property
+    def pruned(self) -> bool:
+        return self.kept < self.embeddings.shape[0]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What ``embed_input_ids`` saw of this step, for the forward pass that follows it."""
+
+    input_ids: list[int]
+    images: list[StepImage]
+
+
+@dataclass(frozen=True)
+class PrunedPrompt:
+    """One pruned request of the step, planned on the host.
+
+    ``start``: the batch row of its first token; ``length``: its prompt's scheduled rows P (rows after
+    them, in a re-prefill after preemption, are generated tokens run as usual); ``token_ids``,
+    ``positions`` [3, S]: the full prompt (N tokens per image) and its positions; ``text_columns`` /
+    ``text_rows``: its text tokens' indices in the full prompt and their batch rows; ``images``: each
+    image's first column in the full prompt and its embeddings; ``counts``: tokens each image keeps."""
+
+    start: int
+    length: int
+    token_ids: list[int]
+    positions: torch.Tensor
+    text_columns: torch.Tensor
+    text_rows: torch.Tensor
+    images: list[tuple[int, torch.Tensor]]
+    counts: list[int]
+
+
+@dataclass(frozen=True)
+class KeptPrompt:
+    """A pruned prompt after layer L, at its P surviving tokens (prompt order): keys and values [P, .]
+    of layers 0..L, hidden state and residual [P, D], positions [3, P]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: torch.Tensor
+    residual: torch.Tensor
+    positions: torch.Tensor
+
+
+def plan_step(
+    step: StepInputs,
+    positions: list[list[int]],
+    starts: list[int],
+    seq_lens: list[int],
+    image_token: int,
+    linear: bool,
+) -> list[PrunedPrompt]:
+    """The step's pruned prompts from host copies of its positions [3][T] and request layout."""
+    prompts = []
+    images = iter(step.images)
+    pending = next(images, None)
+    for request, (start, end) in enumerate(pairwise(starts)):
+        own = []
+        while pending is not None and pending.row < end:
+            own.append(pending)
+            pending = next(images, None)
+        if not any(image.pruned for image in own):
+            continue
+        if seq_lens[request] != end - start:
+            raise RuntimeError(
+                "priortr: a pruned prompt was scheduled in pieces (chunked prefill or a prefix-cache hit); "
+                "the engine should have refused these settings"
+            )
+        prompts.append(_plan_prompt(step, positions, start, own, image_token, linear))
+    return prompts
+
+
+def _plan_prompt(
+    step: StepInputs,
+    positions: list[list[int]],
+    start: int,
+    images: list[StepImage],
+    image_token: int,
+    linear: bool,
+) -> PrunedPrompt:
+    """One pruned request's full prompt, read back from its scheduled rows and their records."""
+    length = positions[0][images[0].row]  # the record: (prompt length, grid height, grid width)
+    token_ids: list[int] = []
+    columns: list[torch.Tensor] = []
+    text_columns: list[int] = []
+    text_rows: list[int] = []
+    placed: list[tuple[int, torch.Tensor]] = []
+    row = start
+    for image in images:
+        for r in range(row, image.row):
+            text_columns.append(len(token_ids))
+            text_rows.append(r)
+            token_ids.append(step.input_ids[r])
+        columns.append(torch.tensor([[p[r] for r in range(row, image.row)] for p in positions]))
+        base = positions[0][image.row - 1] + 1 if image.row > start else 0
+        grid = (positions[1][image.row], positions[2][image.row])
+        n_tokens = image.embeddings.shape[0]
+        if grid[0] * grid[1] != n_tokens:
+            raise RuntimeError(f"priortr: an image's record says {grid} tokens, its encoder gave {n_tokens}")
+        placed.append((len(token_ids), image.embeddings))
+        token_ids += [image_token] * n_tokens
+        columns.append(image_positions(base, grid, linear))
+        row = image.row + image.kept
+    for r in range(row, start + length):
+        text_columns.append(len(token_ids))
+        text_rows.append(r)
+        token_ids.append(step.input_ids[r])
+    columns.append(torch.tensor([[p[r] for r in range(row, start + length)] for p in positions]))
+    return PrunedPrompt(
+        start=start,
+        length=length,
+        token_ids=token_ids,
+        positions=torch.cat(columns, dim=1),
+        text_columns=torch.tensor(text_columns, dtype=torch.long),
+        text_rows=torch.tensor(text_rows, dtype=torch.long),
+        images=placed,
+        counts=[image.kept for image in images],
+    )
+
+
+@torch.no_grad()
+def prefill_prompt(
+    prompt: PrunedPrompt,
+    inputs_embeds: torch.Tensor,
+    layers: list[LayerParts],
+    config: PruningConfig,
+    adapter: FamilyAdapter,
+    hf_config: object,
+    linear: bool,
+) -> KeptPrompt:
+    """Layers 0..L on the whole prompt, the method's choice at layer L, and the surviving tokens."""
+    device = inputs_embeds.device
+    length = len(prompt.token_ids)
+    hidden = inputs_embeds.new_empty(length, inputs_embeds.shape[1])  # [S, D]
+    hidden[prompt.text_columns.to(device)] = inputs_embeds[prompt.text_rows.to(device)]
+    for column, embeddings in prompt.images:
+        hidden[column : column + embeddings.shape[0]] = embeddings.to(hidden.dtype)
+    positions = prompt.positions.to(device)  # [3, S]
+    rope_positions = positions[0] if linear else positions
+    residual = None
+    keys, values = [], []
+    for parts in layers:
+        normed, residual = parts.attention_input(hidden, residual)
+        q, k, v = parts.project(normed, rope_positions)
+        keys.append(k)
+        values.append(v)
+        hidden, residual = parts.output(parts.causal_attention(q, k, v), residual)
+    kept = _select(prompt, q, k, hidden + residual, layers[-1], config, adapter, hf_config, len(layers))
+    keep = torch.cat([prompt.text_columns.to(device), kept]).sort().values  # [P] surviving columns
+    if keep.shape[0] != prompt.length:
+        raise RuntimeError(f"priortr: kept {keep.shape[0]} tokens for a prompt of {prompt.length} slots")
+    return KeptPrompt(
+        keys=[k.index_select(0, keep) for k in keys],
+        values=[v.index_select(0, keep) for v in values],
+        hidden=hidden.index_select(0, keep),
+        residual=residual.index_select(0, keep),
+        positions=positions.index_select(1, keep),
+    )
+
+
+def _select(
+    prompt: PrunedPrompt,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    output: torch.Tensor,
+    parts: LayerParts,
+    config: PruningConfig,
+    adapter: FamilyAdapter,
+    hf_config: object,
+    n_scored: int,
+) -> torch.Tensor:
+    """The kept visual tokens' columns in the full prompt, chosen by ``config``'s method from layer
+    L's queries/keys (after RoPE) and output, exactly as ``priortr.apply`` chooses them."""
+    device = q.device
+    ids = torch.tensor([prompt.token_ids])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    n_layers = hf_config.get_text_config().num_hidden_layers
+    host = plan_on_host(adapter, hf_config, config, ids, valid, n_layers, counts=prompt.counts)
+    if host is None or config.layer != n_scored - 1:
+        raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
+    plan = PrefillPlan(
+        seq=ids.shape[1],
+        pools=[pool.to(device) for pool in host.pools],
+        stages=host.stages,
+        visual=host.visual.to(device),
+        valid=valid.to(device),
+        text_tokens=host.text_tokens,
+        next_position=torch.tensor([ids.shape[1]], device=device),
+        rows=host.rows.to(device),
+        pool_rows=host.pool_rows,
+    )
+    sequence = SequenceMap(
+        prompt_length=plan.seq, positions=None, visual=plan.visual, valid=plan.valid, filler=None
+    )
+    queries = parts.heads_view(q, parts.heads).index_select(2, plan.rows[0])  # [1, H, R, d]
+    attention = attention_rows(
+        queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.rows, plan.valid), parts.scaling
+    )  # [1, H, R, S]
+    kept = []
+    for group in groups(plan, sequence, config.layer):
+        inputs = stage_inputs(group, output[None], attention, plan, config, None)
+        selection = config.method.select(inputs, **config.options)
+        kept.append(group.positions.gather(1, selection.kept).flatten())
+    return torch.cat(kept)

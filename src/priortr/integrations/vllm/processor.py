@@ -1,0 +1,112 @@
+"""The prompt vLLM schedules for a pruned request: K placeholders per image instead of N.
+
+vLLM's processor lays out N placeholder tokens per image; the scheduler then reserves KV-cache slots
+for every one. For a pruned request this processor keeps only the K the image will keep after the
+scored layer (its share of the request's budget, planned by the library's own ``plan_on_host``, which
+also refuses a prompt the method cannot score, e.g. an image with no instruction after it), so the
+paged cache of every layer holds text + K tokens per image. The N encoder rows still reach the model
+(``models.py`` packs them), which computes layers 0..L on all of them once and keeps K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from vllm.multimodal.inputs import PlaceholderRange
+
+from priortr.adapters import adapter_for_type
+from priortr.engine.config import PruningConfig
+from priortr.engine.plan import plan_on_host
+from priortr.integrations.vllm.settings import SETTINGS_KEY, engine_config, request_config
+
+
+def served_config(hf_config: Any) -> PruningConfig | None:
+    """The engine-wide settings of a model config, or None when it carries none (stock vLLM)."""
+    settings = getattr(hf_config, SETTINGS_KEY, None)
+    if settings is None:
+        return None
+    return engine_config(settings, hf_config.get_text_config().num_hidden_layers)
+
+
+def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> list[int]:
+    """Tokens each image of ``prompt`` (every image laid out with its N placeholders, prompt order)
+    keeps after the scored layer under ``config``; raises the library's ValueError for a prompt that
+    cannot be scored."""
+    ids = torch.tensor([prompt])
+    adapter = adapter_for_type(hf_config.model_type)
+    n_layers = hf_config.get_text_config().num_hidden_layers
+    host = plan_on_host(adapter, hf_config, config, ids, torch.ones_like(ids, dtype=torch.bool), n_layers)
+    if host is None:
+        return []
+    return [min(pool.stages[config.layer], pool.size) for pool in host.pools]
+
+
+def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: list[int]) -> tuple:
+    """``prompt`` with image ``i``'s placeholder run cut to its first ``counts[i]`` tokens, and the
+    runs' new ranges (``ranges`` and ``counts`` in the same order; the runs do not overlap)."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
+    out: list[int] = []
+    new: list[PlaceholderRange | None] = [None] * len(ranges)
+    cursor = removed = 0
+    for i in order:
+        span, kept = ranges[i], counts[i]
+        out += prompt[cursor : span.offset + kept]
+        cursor = span.offset + span.length
+        new[i] = PlaceholderRange(offset=span.offset - removed, length=kept)
+        removed += span.length - kept
+    out += prompt[cursor:]
+    return out, new
+
+
+class PruningProcessor:
+    """Mixin for a vLLM multimodal processor: a pruned request's images get K placeholders each."""
+
+    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> Any:
+        """The Hugging Face processor never sees the ``priortr`` request setting."""
+        hf_kwargs = {key: value for key, value in hf_kwargs.items() if key != SETTINGS_KEY}
+        return super()._call_hf_processor(hf_data, hf_kwargs)
+
+    def get_dummy_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
+        its encoder cache and memory for unpruned requests, which a request may always ask for."""
+        inputs = super().get_dummy_inputs(*args, **kwargs)
+        off = {**inputs.hf_processor_mm_kwargs, SETTINGS_KEY: {"enabled": False}}
+        return replace(inputs, hf_processor_mm_kwargs=off)
+
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        """vLLM's processing, then the request's images cut to the placeholders they keep."""
+        out = super().apply(inputs, timing_ctx)
+        hf_config = self.info.get_hf_config()
+        engine = served_config(hf_config)
+        if engine is None:
+            return out
+        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY))
+        placeholders = out["mm_placeholders"]
+        images = list(placeholders.get("image", []))
+        if config is None or not images:
+            return out
+        others = sorted(modality for modality, spans in placeholders.items() if spans and modality != "image")
+        if others:
+            raise ValueError(
+                f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
+                f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+            )
+        if any(span.is_embed is not None for span in images):
+            raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
+        counts = kept_counts(hf_config, config, out["prompt_token_ids"])
+        by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
+        if len(counts) != len(images):
+            raise ValueError(
+                f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
+                "text between images"
+            )
+        counts_in_order = [0] * len(images)
+        for rank, i in enumerate(by_offset):
+            counts_in_order[i] = counts[rank]
+        if all(kept == span.length for kept, span in zip(counts_in_order, images, strict=True)):
+            return out
+        prompt, ranges = shrink_prompt(out["prompt_token_ids"], images, counts_in_order)
+        return {**out, "prompt_token_ids": prompt, "mm_placeholders": {**placeholders, "image": ranges}}

@@ -1,0 +1,58 @@
+"""Where the plug-in meets vLLM's registries: model classes, multimodal processors, config hooks."""
+
+from __future__ import annotations
+
+from vllm import ModelRegistry
+from vllm.model_executor.models import llava, qwen2_5_vl, qwen2_vl
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from priortr.integrations.vllm.config_hooks import LinearRopeConfigHook, PruningConfigHook
+from priortr.integrations.vllm.models import PruningLlava, PruningQwen2_5_VL, PruningQwen2VL
+from priortr.integrations.vllm.processor import PruningProcessor
+
+
+class LlavaProcessor(PruningProcessor, llava.LlavaMultiModalProcessor):
+    """LLaVA-1.5's processor, pruned requests cut to K placeholders per image."""
+
+
+class Qwen2VLProcessor(PruningProcessor, qwen2_vl.Qwen2VLMultiModalProcessor):
+    """Qwen2-VL's processor, pruned requests cut to K placeholders per image."""
+
+
+class Qwen2_5_VLProcessor(PruningProcessor, qwen2_5_vl.Qwen2_5_VLMultiModalProcessor):
+    """Qwen2.5-VL's processor, pruned requests cut to K placeholders per image."""
+
+
+def llava_processor(info: object, dummy_inputs: object) -> object:
+    """vLLM's LLaVA processor choice, with the pruning processor for LLaVA-1.5 (CLIP / SigLIP towers)."""
+    if isinstance(info, llava.LlavaProcessingInfo):
+        return LlavaProcessor(info, dummy_inputs)
+    return llava._build_llava_or_pixtral_hf_processor(info, dummy_inputs)
+
+
+FAMILIES = (
+    ("LlavaForConditionalGeneration", PruningLlava, LinearRopeConfigHook),
+    ("Qwen2VLForConditionalGeneration", PruningQwen2VL, PruningConfigHook),
+    ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
+)
+
+
+def register_all() -> None:
+    """Put the pruning classes under vLLM's architecture names (idempotent: every process calls it)."""
+    MULTIMODAL_REGISTRY.register_processor(
+        llava_processor,
+        info=llava._build_llava_or_pixtral_hf_info,
+        dummy_inputs=llava.LlavaDummyInputsBuilder,
+    )(PruningLlava)
+    MULTIMODAL_REGISTRY.register_processor(
+        Qwen2VLProcessor, info=qwen2_vl.Qwen2VLProcessingInfo, dummy_inputs=qwen2_vl.Qwen2VLDummyInputsBuilder
+    )(PruningQwen2VL)
+    MULTIMODAL_REGISTRY.register_processor(
+        Qwen2_5_VLProcessor,
+        info=qwen2_5_vl.Qwen2_5_VLProcessingInfo,
+        dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
+    )(PruningQwen2_5_VL)
+    for architecture, model, hook in FAMILIES:
+        ModelRegistry.register_model(architecture, model)
+        MODELS_CONFIG_MAP[architecture] = hook

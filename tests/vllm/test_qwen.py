@@ -1,0 +1,77 @@
+"""Qwen2-VL and Qwen2.5-VL (M-RoPE) served by vLLM with the plug-in, against priortr.apply + HF
+generate(): several images per prompt, per-request budgets, and (Qwen2-VL) preemption by recompute
+under a tiny KV cache."""
+
+from __future__ import annotations
+
+import pytest
+from vllm import LLM, SamplingParams
+
+from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image
+
+SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
+TOKENS = 12
+ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
+TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
+
+
+@pytest.fixture(scope="module", params=["qwen_dir", "qwen2_5_dir"], ids=["qwen2-vl", "qwen2.5-vl"])
+def served(request):
+    """(checkpoint, engine) of Qwen2-VL, then of Qwen2.5-VL (its windowed vision tower is vLLM's own)."""
+    path = request.getfixturevalue(request.param)
+    engine = LLM(
+        model=str(path),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        **ENGINE,
+    )
+    yield path, engine
+    del engine
+
+
+def request(prompt: str, images: list, budget: dict | None = None) -> dict:
+    out = {"prompt": prompt, "multi_modal_data": {"image": images if len(images) > 1 else images[0]}}
+    if budget is not None:
+        out["mm_processor_kwargs"] = {"priortr": budget}
+    return out
+
+
+def test_one_and_two_images_with_per_request_budgets(served):
+    path, llm = served
+    cases = [
+        (ONE, [image(112, 0)], None),
+        (TWO, [image(112, 1), image(56, 2)], None),  # 16 + 4 tokens: the budget splits 5 + 1
+        (TWO, [image(112, 3), image(112, 4)], {"budget": 10}),
+        (ONE, [image(112, 5)], {"enabled": False}),
+    ]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+    for (prompt, images, budget), out in zip(cases, outs, strict=True):
+        settings = None if budget == {"enabled": False} else {**SETTINGS, **(budget or {})}
+        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, settings, TOKENS)
+    assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 6, 12 + 10, 9 + 16]
+    assert hf_tokens(path, *cases[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
+
+
+def test_preemption_by_recompute_is_exact(qwen_dir):
+    """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 18-token prompts decoding 40
+    tokens each: vLLM preempts and later re-prefills prompt + generated tokens in one step; the scores
+    must use the prompt's rows only, as they did the first time."""
+    engine = LLM(
+        model=str(qwen_dir),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
+        block_size=32,
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
+    )
+    cases = [(TWO, [image(112, 20 + i), image(56, 30 + i)]) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([request(*case) for case in cases], params, use_tqdm=False)
+    stats = engine.llm_engine.get_metrics()
+    for (prompt, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_tokens(qwen_dir, prompt, images, SETTINGS, 40)
+    preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
+    assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
+    del engine

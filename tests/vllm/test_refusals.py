@@ -1,0 +1,78 @@
+"""What the plug-in refuses, and that it refuses it before serving, with the setting to change."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+
+from priortr.integrations.vllm.settings import engine_config, request_config
+
+N_LAYERS = 4
+
+
+def config_of(model_dir, **overrides):
+    load_general_plugins()
+    args = {
+        "model": str(model_dir),
+        "max_model_len": 256,
+        "max_num_batched_tokens": 256,
+        "enforce_eager": True,
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
+        "hf_overrides": {"priortr": {"method": "fastv", "budget": 4}},
+        **overrides,
+    }
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_exact_settings_start(llava_dir):
+    config = config_of(llava_dir)
+    assert config.model_config.uses_mrope  # LLaVA gets vLLM's per-request positions
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [
+        ({"enable_chunked_prefill": True}, "--no-enable-chunked-prefill"),
+        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
+        ({"enforce_eager": False}, "--enforce-eager"),
+    ],
+)
+def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
+    with pytest.raises(ValueError, match=flag):
+        config_of(llava_dir, **setting)
+
+
+def test_stock_model_is_untouched(llava_dir):
+    """Without priortr settings the plug-in's classes leave vLLM's defaults and positions alone."""
+    config = config_of(llava_dir, hf_overrides={}, enable_chunked_prefill=True)
+    assert not config.model_config.uses_mrope
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"method": "visionzip"}, "before the language model"),
+        ({"method": "pdrop"}, "several decoder layers"),
+        ({"method": "dart"}, "final_norm, keys evidence"),
+        ({"method": "priortr+merge"}, "merge tokens"),
+        ({"method": "priortr", "layer": 3}, r"layer must be an int in \[0, 2\]"),
+        ({"method": "priortr", "budget": 0}, "positive token count"),
+        ({"method": "priortr", "multi_image": "global"}, "unknown priortr setting"),
+        ("priortr", "must be a dict"),
+    ],
+)
+def test_unservable_methods_and_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(settings, N_LAYERS)
+
+
+def test_request_settings():
+    config = engine_config({"method": "priortr", "budget": 64}, N_LAYERS)
+    assert request_config(config, None) is config
+    assert request_config(config, {"budget": 0.25}).budget == 0.25
+    assert request_config(config, {"enabled": False}) is None
+    for bad, message in [({"layer": 1}, "only budget, enabled"), ({"budget": -1}, "positive"), (3, "a dict")]:
+        with pytest.raises(ValueError, match=message):
+            request_config(config, bad)
