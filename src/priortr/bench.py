@@ -311,12 +311,22 @@ class Bench:
                 ceilings = Ceilings(**record["ceilings"])
             else:
                 self.records[_key(record)] = record
+        self._keep_recorded()
         if ceilings is None:
             ceilings = measure_ceilings(model.device, model.dtype)
             self._record({"kind": "ceilings", "ceilings": asdict(ceilings)})
         self.meta = _meta(model, meta or {})
         self.ceilings = ceilings
         self.n_visual = int((self._inputs(1)["input_ids"][0] == model.config.image_token_id).sum())
+
+    def _keep_recorded(self) -> None:
+        """A resumed run keeps (and finishes) every configuration and repeat it recorded, so that its
+        outputs hold every result its record holds."""
+        cases = list(dict.fromkeys([*self.cases, *(key[1] for key in self.records)]))
+        self.cases = [c for c in cases if c[0] == VANILLA] + [c for c in cases if c[0] != VANILLA]
+        rounds = [(key[0], key[2] + 1) for key in self.records if key[0] != "setup"]
+        self.repeats = max([self.repeats, *(n for kind, n in rounds if kind == "prefill")])
+        self.decode_repeats = max([self.decode_repeats, *(n for kind, n in rounds if kind == "decode")])
 
     def run(self, progress: Callable[[Iterator], Iterator] = iter) -> None:
         done = set(self.records)

@@ -176,8 +176,8 @@ def test_an_interrupted_bench_resumes_without_measuring_anything_twice(model, tm
     settings = {"model": "tiny"}
     path = tmp_path / "bench.jsonl"
     first = counting(monkeypatch, interrupt_after=10)
-    with pytest.raises(KeyboardInterrupt):
-        run(model, Journal(path, settings, resume=False))
+    with pytest.raises(KeyboardInterrupt), Journal(path, settings, resume=False) as journal:
+        run(model, journal)
     recorded = [json.loads(line) for line in path.read_text().splitlines()]
     assert len([r for r in recorded if r.get("kind") in ("prefill", "decode")]) == 10 == len(first)
     monkeypatch.undo()
@@ -187,7 +187,8 @@ def test_an_interrupted_bench_resumes_without_measuring_anything_twice(model, tm
     with pytest.raises(ValueError, match="other settings"):
         Journal(path, {"model": "other"}, resume=True)
     second = counting(monkeypatch)
-    resumed = run(model, Journal(path, settings, resume=True))
+    with Journal(path, settings, resume=True) as journal:
+        resumed = run(model, journal)
     assert not set(first) & set(second)
     assert len(first) + len(second) == 2 * 3 * (3 + 2)  # batch sizes x configurations x (repeats + decodes)
     assert shape(resumed) == shape(whole)
@@ -227,3 +228,18 @@ def test_a_record_of_a_run_that_did_nothing_is_started_afresh(tmp_path):
     with pytest.raises(ValueError, match="pass --resume"):
         Journal(path, {"model": "b"}, resume=False)
     assert Journal(path, {"model": "b"}, resume=True).records == [{"kind": "ceilings"}]
+
+
+def test_resuming_with_fewer_configurations_keeps_every_recorded_one(model, tmp_path, monkeypatch):
+    """Before: a resumed run reported only the configurations and repeats given this time."""
+    path = tmp_path / "bench.jsonl"
+    with Journal(path, {"model": "tiny"}, resume=False) as journal:
+        whole = run(model, journal)
+    calls = counting(monkeypatch)
+    with Journal(path, {"model": "tiny"}, resume=True) as journal:
+        resumed = bench.run_bench(
+            model, ["vanilla", "priortr"], [8], [1], layer=1, text_tokens=6, new_tokens=2, warmup=1,
+            repeats=1, decode_repeats=1, journal=journal,
+        )  # fmt: skip
+    assert calls == []
+    assert shape(resumed) == shape(whole)

@@ -73,17 +73,16 @@ def run(args: argparse.Namespace) -> int:
     samples = data.load_split(args.split, args.limit)
     settings = {"split": args.split, "limit": args.limit, "model": args.model, "layer": args.layer}
     settings["dtype"] = args.dtype
-    journal = Journal(Path(args.out) / f"{args.split}.samples.jsonl", settings, args.resume)
-    processor, model = loading.load(args.source, args.dtype, args.device)
-    evaluation = evaluate.Evaluation(
-        model, processor, samples, args.split, args.methods, args.budgets, args.layer, args.model, journal
-    )
-    with finished_so_far(lambda: evaluation.report().to_markdown(), journal.path):
-        evaluation.run(args.batch_size)
-    journal.close()
-    report = evaluation.report()
-    for path in report.write(args.out, args.split):
-        log.info("wrote %s", path)
+    with Journal(Path(args.out) / f"{args.split}.samples.jsonl", settings, args.resume) as journal:
+        processor, model = loading.load(args.source, args.dtype, args.device)
+        evaluation = evaluate.Evaluation(
+            model, processor, samples, args.split, args.methods, args.budgets, args.layer, args.model, journal
+        )
+        with finished_so_far(lambda: evaluation.report().to_markdown(), journal.path):
+            evaluation.run(args.batch_size)
+        report = evaluation.report()
+        for path in report.write(args.out, args.split):
+            log.info("wrote %s", path)
     print(report.to_markdown())
     print(f"wrote {args.out}/{args.split}.{{samples.jsonl,json,md,png}}")
     return 0
