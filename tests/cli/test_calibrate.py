@@ -278,3 +278,40 @@ def test_the_shipped_testbed_setting_is_a_valid_config(loaded) -> None:
     assert demo.setting(layer=2, budget=32) == {"layer": 2, "budget": 32}
     metadata = json.loads(demo.CALIBRATED.read_text())["calibration"]
     assert metadata["data"] == "scenes-train"  # chosen on training scenes, never on test questions
+
+
+def test_a_config_that_sets_options_works_on_the_command_line(
+    checkpoint: Path, folder: Path, tmp_path: Path, capsys
+) -> None:
+    """Before: the CLI passed options={} of its own, which apply() refused as a conflict with the file."""
+    setting = {"method": "priortr+merge", "budget": 4, "layer": 1, "options": {"adaptive": True}}
+    path = write_config(tmp_path / "merge.json", setting)
+    base = ["generate", "--model", str(checkpoint), "--image", str(folder / "img0.png")]
+    base += ["--prompt", PROMPTS[0], "--max-new-tokens", "2"]
+    assert main([*base, "--config", str(path)]) == 0
+    via_file = capsys.readouterr().out
+    flags = ["--method", "priortr+merge", "--budget", "4", "--layer", "1", "--option", "adaptive=true"]
+    assert main([*base, *flags]) == 0  # JSON's lower-case true as well as True
+    assert capsys.readouterr().out.splitlines()[:2] == via_file.splitlines()[:2]
+    assert main([*base, "--config", str(path), "--option", "adaptive=False"]) == 2  # a real conflict
+    assert "options={'adaptive': False} was passed and config" in capsys.readouterr().err
+    assert main(["flops", "--model", str(checkpoint), "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "which take no options" in err and "priortr bench --config" in err and "generate" not in err
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"method": "fastv", "budget": 4, "layer": 1},  # as `priortr calibrate` writes it: no options
+        {"method": "priortr+merge", "budget": 4, "layer": 1, "options": {"adaptive": True}},
+    ],
+)
+def test_bench_takes_a_config_with_or_without_options(checkpoint: Path, tmp_path: Path, setting) -> None:
+    """Before: a config without options stopped bench with an AttributeError traceback."""
+    path = write_config(tmp_path / "c.json", setting)
+    argv = ["bench", "--model", str(checkpoint), "--config", str(path), "--batch-sizes", "1", "--warmup", "0"]
+    argv += ["--repeats", "1", "--decode-repeats", "1", "--new-tokens", "1", "--text-tokens", "6"]
+    assert main([*argv, "--device", "cpu", "--out", str(tmp_path / "bench"), "--json"]) == 0
+    cases = json.loads((tmp_path / "bench" / "bench.json").read_text())["cases"]
+    assert [(c["method"], c["budget"]) for c in cases] == [("vanilla", None), (setting["method"], 4)]

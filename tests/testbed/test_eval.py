@@ -77,8 +77,9 @@ class FakeRun:
         self.model = SimpleNamespace(config=SimpleNamespace(image_seq_length=576), dtype=torch.float32)
 
     @contextlib.contextmanager
-    def apply(self, model, method, budget, layer, strict):
+    def apply(self, model, method, budget, layer, strict, options=None):
         assert layer is None
+        self.options = options
         self.handle = SimpleNamespace(method=method, budget=budget, last=None)
         yield self.handle
         self.handle = None
@@ -189,3 +190,20 @@ def test_a_cell_with_some_questions_answered_is_marked_partial():
     assert "| priortr [1/2] | 64 | 100.0 |" in table and "[n/N]: a partial cell" in table
     whole = Report("scenes-test", "testbed", None, "float32", cells[:1], questions=2).to_markdown()
     assert "[" not in whole  # negative control: a complete cell is not marked
+
+
+def test_eval_takes_a_config_that_sets_options(monkeypatch, tmp_path):
+    """Before: eval took only method, budget and layer from a config and sent the user to `generate`."""
+    from priortr.config_file import write_config
+
+    setting = {"method": "priortr+merge", "budget": 64, "options": {"adaptive": True}}
+    config = write_config(tmp_path / "merge.json", setting)
+    run = FakeRun()
+    run.patch(monkeypatch)
+    out = tmp_path / "out"
+    assert cli.main(["eval", "--limit", "3", "--config", str(config), "--out", str(out)]) == 0
+    assert run.options == {"adaptive": True}
+    header = json.loads((out / "scenes-test.samples.jsonl").read_text().splitlines()[0])
+    assert header["settings"]["options"] == {"adaptive": True}  # other options: another experiment
+    again = ["eval", "--limit", "3", "--out", str(out), "--methods", "priortr+merge", "--resume"]
+    assert cli.main(again) == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -50,14 +51,20 @@ def budget(text: str) -> int | float:
 
 
 def parse_option(text: str) -> tuple[str, Any]:
-    """``name=value`` with a Python literal value (``neighbours=8``, ``adaptive=True``), or a plain string."""
+    """``name=value`` with a Python or JSON literal value (``neighbours=8``, ``adaptive=True``,
+    ``adaptive=true``), or a plain string."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"an option is name=value, got {text!r}")
+    value = value.strip()
     try:
-        return name.strip(), ast.literal_eval(value.strip())
+        return name.strip(), ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        return name.strip(), value.strip()
+        pass
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
 
 
 def parse_stage(text: str) -> tuple[int, int | float]:
@@ -109,7 +116,7 @@ def pruning_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "budget": args.budget,
         "layer": args.layer,
         "stages": args.stages,
-        "options": dict(args.option or []),
+        "options": dict(args.option) if args.option else None,  # None: a --config file may set them
     }
     return {**arguments, "config": args.config} if args.config else arguments
 

@@ -63,6 +63,10 @@ def check(args: argparse.Namespace) -> None:
     import priortr
     from priortr import bench
 
+    if args.config:
+        setting = arguments.config_setting(args, "bench")
+        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer, args.option = setting["layer"], list((setting["options"] or {}).items())
     checks.distinct("--methods", args.methods)
     checks.distinct("--budgets", args.budgets)
     checks.distinct("--batch-sizes", args.batch_sizes)
@@ -94,10 +98,6 @@ def run(args: argparse.Namespace) -> int:
     from priortr.journal import Journal, finished_so_far, replace
     from priortr.loading import torch_dtype
 
-    if args.config:
-        setting = arguments.config_setting(args, "bench")
-        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
-        args.layer, args.option = setting["layer"], list(setting["options"].items())
     out = Path(args.out)
     settings = {
         key: getattr(args, key)

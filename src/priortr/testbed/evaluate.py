@@ -231,14 +231,18 @@ def evaluate(
     model_name: str = "testbed",
     progress: bool = True,
     journal: Journal | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Report:
     """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned.
 
     ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
-    that prune before the language model or on their own schedule of layers take none. With a
+    that prune before the language model or on their own schedule of layers take none. ``options``:
+    the pruned methods' knobs (``priortr.apply``'s ``options``). With a
     ``journal`` every answer is recorded as its batch finishes, and answers already recorded there are
     not asked again (``Evaluation``)."""
-    evaluation = Evaluation(model, processor, samples, split, methods, budgets, layer, model_name, journal)
+    evaluation = Evaluation(
+        model, processor, samples, split, methods, budgets, layer, model_name, journal, options
+    )
     evaluation.run(batch_size, progress)
     return evaluation.report()
 
@@ -258,11 +262,12 @@ class Evaluation:
         layer: int | None = None,
         model_name: str = "testbed",
         journal: Journal | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if not samples:
             raise ValueError(f"split {split!r} has no samples to evaluate")
         self.model, self.processor, self.split, self.layer = model, processor, split, layer
-        self.model_name = model_name
+        self.model_name, self.options = model_name, options
         self.samples = list(samples)
         self.cells = [(VANILLA, None)] if VANILLA in methods else []
         self.cells += [(m, b) for m in methods if m != VANILLA for b in budgets]
@@ -307,6 +312,7 @@ class Evaluation:
                         method=method,
                         budget=budget,
                         layer=layer_for(method, self.layer),
+                        options=self.options,
                         strict=True,
                     )
                 )
