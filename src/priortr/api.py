@@ -137,7 +137,10 @@ def apply(
             "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"
         )
     if model in _ATTACHED:
-        raise ValueError("this model already has priortr attached; call .remove() on that handle first")
+        raise ValueError(
+            "this model already has priortr attached; call .remove() on that handle first, "
+            "or priortr.detach(model) if you no longer have it"
+        )
     config = pruning_config(
         method,
         budget,
@@ -217,6 +220,16 @@ def pruning_config(
         strict=strict,
         seed=seed,
     )
+
+
+def detach(model: nn.Module) -> bool:
+    """Remove whatever pruning is attached to ``model`` (as its handle's ``remove()`` would), also when
+    that handle was dropped; return whether something was attached."""
+    handle = _ATTACHED.get(model)
+    if handle is None:
+        return False
+    handle.remove()
+    return True
 
 
 def _is_int(value: object) -> bool:
