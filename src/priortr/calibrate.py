@@ -131,6 +131,8 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
             raise ValueError(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'{where} needs a "prompt" string: {line.strip()[:80]}')
+        if not record["prompt"].strip():
+            raise ValueError(f"{where}: the prompt is empty; ask a question about the image")
         if not isinstance(record.get("image"), str):
             raise ValueError(
                 f'{where} has no "image": every prompt needs an image file (a path relative to the folder), '
@@ -139,6 +141,11 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
         path = directory / record["image"]
         if not path.is_file():
             raise ValueError(f"{where}: image {str(path)!r} does not exist")
+        try:
+            with Image.open(path):  # the header only: a file PIL cannot open, or one too large for it
+                pass
+        except (OSError, Image.DecompressionBombError) as exc:
+            raise ValueError(f"{where}: cannot read image {str(path)!r}: {exc}") from None
         prompts.append(Prompt(str(record.get("id", number)), record["prompt"], _image_reader(path)))
     if not prompts:
         raise ValueError(f"{listing} holds no prompts")
@@ -150,7 +157,7 @@ def _image_reader(path: Path) -> Callable[[], Image.Image]:
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")
-        except OSError as exc:
+        except (OSError, Image.DecompressionBombError) as exc:
             raise ValueError(f"cannot read image {str(path)!r}: {exc}") from exc
 
     return load

@@ -17,7 +17,6 @@ from priortr.config_file import parse_budget
 from priortr.loading import DTYPES
 
 TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
-LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
 CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)"
 
@@ -96,9 +95,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser, None, "default: the checkpoint's")
 
 
+def layer_help() -> str:
+    """``--layer``'s help: the layer each method scores when none is given (from the method catalog)."""
+    from priortr.cli.methods import default_layers
+
+    default = f"the method's own, {default_layers()}"
+    return f"0-indexed decoder layer scored by one-layer methods (default: {default})"
+
+
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """``--layer``, ``--stages`` and ``--option``: where and how a method prunes."""
-    parser.add_argument("--layer", type=nonnegative_int, help=LAYER_HELP)
+    parser.add_argument("--layer", type=nonnegative_int, help=layer_help())
     parser.add_argument(
         "--stages",
         type=parse_stage,

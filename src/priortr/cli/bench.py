@@ -26,7 +26,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--methods", nargs="+", help="default: vanilla and every method")
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[192, 128, 64])
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--layer", type=nonnegative_int, help=arguments.LAYER_HELP)
+    parser.add_argument("--layer", type=nonnegative_int, help=arguments.layer_help())
     parser.add_argument(
         "--option", type=arguments.parse_option, action="append", help="a method's knob, name=value"
     )

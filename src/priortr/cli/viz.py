@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
-    processor, model = loading.load(args.source, args.dtype, args.device)
+    processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
     )
