@@ -8,6 +8,7 @@ resumes from its record without measuring anything twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 
@@ -16,7 +17,7 @@ import torch
 
 from priortr import bench
 from priortr.journal import Journal
-from tests.helpers.tiny import tiny_llava
+from tests.helpers.tiny import llava_batch, tiny_llava
 
 
 def test_quartiles_of_five_runs_are_hand_computed():
@@ -243,3 +244,30 @@ def test_resuming_with_fewer_configurations_keeps_every_recorded_one(model, tmp_
         )  # fmt: skip
     assert calls == []
     assert shape(resumed) == shape(whole)
+
+
+def test_front_ends_time_their_arms_interleaved_as_bench_does(model):
+    """``interleaved_lm_prefill`` (``calibrate``, ``demo``): every round over all arms, each round
+    starting one later (``rotated``), the warm-up rounds untimed, a spread per arm."""
+    entered: list[str] = []
+
+    def arm(name: str):
+        @contextlib.contextmanager
+        def enter():
+            entered.append(name)
+            yield
+
+        return enter
+
+    inputs = llava_batch(model, batch_size=1).kwargs()
+    spreads = bench.interleaved_lm_prefill(model, inputs, {n: arm(n) for n in "abc"}, warmup=1, repeats=5)
+    assert entered == [*"abc", *"bca", *"cab", *"abc", *"bca", *"cab"]
+    assert {name: spread.runs for name, spread in spreads.items()} == {"a": 5, "b": 5, "c": 5}
+    assert all(s.q25 is not None and s.minimum <= s.median <= s.maximum for s in spreads.values())
+
+
+def test_two_timings_are_resolved_only_beyond_either_spread():
+    base = bench.Spread.of([100.0, 104.0, 100.0])  # range 4
+    assert bench.resolved(base, bench.Spread.of([50.0, 50.0, 50.0]))
+    assert not bench.resolved(base, bench.Spread.of([101.0, 103.0, 101.0]))  # 1 ms apart, spread 4
+    assert not bench.resolved(base, bench.Spread.of([40.0, 140.0, 40.0]))  # 60 ms apart, spread 100
