@@ -47,7 +47,10 @@ def add_parser(commands: Any) -> None:
         "--warmup", type=nonnegative_int, default=1, help="untimed prefills before timing each configuration"
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed prefills per configuration (median)"
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="timed rounds over the unpruned model and every configuration (quartiles from 5)",
     )
     arguments.add_device_arguments(parser, None, "default: the checkpoint's")
     parser.add_argument("--out", default="calibration", help="folder for results, configs and the cache")
