@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from os import PathLike
 from typing import Any
 
@@ -58,6 +59,28 @@ class PruningHandle:
         self._engine.detach()
         if _ATTACHED.get(self._engine.model) is self:
             del _ATTACHED[self._engine.model]
+
+    def prompt_ends(self, at: int) -> AbstractContextManager[None]:
+        """Within this block, a call of the model (in this thread) holds its prompt, the image(s) and
+        the instruction, in its first ``at`` columns, and a continuation after them: an answer appended
+        to its question to score it, say. Lay a batch out with the prompts padded on the left and the
+        continuations on the right, so that every prompt ends at column ``at``.
+
+        Such a call prunes as cached decoding does: the kept set is decided by the prompt alone (what a
+        prefill of the prompt keeps, whatever follows), and the continuation runs on the kept tokens
+        in every layer, so its logits are those that cached, pruned decoding gives it, token by token.
+        The call runs as two passes for that (a prefill of the prompt, then the continuation on its
+        cache), and returns one output, the prompt's kept rows followed by the continuation's;
+        ``handle.last`` describes the prompt's prefill. Without the block a call is all prompt, and a
+        continuation in it would count as instruction. ``generate()`` sets it itself (its input is the
+        prompt), so ``use_cache=False`` and assisted decoding give what cached decoding gives::
+
+            with handle.prompt_ends(at=prompt["input_ids"].shape[1]):
+                logits = model(**prompt_and_answer, use_cache=False).logits  # [B, S' + T, V]
+        """
+        if not _is_int(at) or at < 1:
+            raise ValueError(f"at must be the prompt's column count, an int >= 1; got {at!r}")
+        return self._engine.prompt_ends(at)
 
     def __enter__(self) -> PruningHandle:
         if not self.attached:
