@@ -35,6 +35,11 @@ class PruningHandle:
 
     ``last`` holds what the most recent pruned prefill kept and why (a ``PruneResult``), or None
     before the first one.
+
+    A call that carries more than its prompt (``generate(use_cache=False)``, assisted decoding, an
+    answer scored in one call inside ``prompt_ends``) prunes as cached decoding does: the kept set is
+    decided by the prompt alone and what follows runs on the kept tokens in every layer, so it gives
+    what cached, pruned greedy decoding gives (docs/robustness.md).
     """
 
     def __init__(self, engine: PruningEngine) -> None:

@@ -44,6 +44,7 @@ from priortr.api import apply
 from priortr.bench import Spread, interleaved_lm_prefill, resolved
 from priortr.config_file import write_config
 from priortr.flops import scheduled_prefill_flops
+from priortr.journal import write_whole
 from priortr.methods import get_method
 from priortr.prompts import prompt_text
 
@@ -387,17 +388,19 @@ class Cache:
             self.reference = Reference(logprobs=torch.load(self.tensor_path, weights_only=True), **answers)
 
     def save(self) -> None:
+        """Write the cache, each file replaced whole (an interrupt leaves the previous one)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         reference = None
         if self.reference is not None:
-            torch.save(self.reference.logprobs, self.tensor_path)
+            logprobs = self.reference.logprobs
+            write_whole(self.tensor_path, lambda path: torch.save(logprobs, path))
             reference = {k: v for k, v in asdict(self.reference).items() if k != "logprobs"}
         measurements = [
             {"key": m.setting.key, **{k: v for k, v in asdict(m).items() if k != "timing"}}
             for m in self.measurements.values()
         ]
         document = {"fingerprint": self.key, "reference": reference, "measurements": measurements}
-        self.path.write_text(json.dumps(document) + "\n")
+        write_whole(self.path, lambda path: path.write_text(json.dumps(document) + "\n"))
 
 
 # -- the result ---------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ The first line holds the run's settings; a resumed run must have the same settin
 or dtype would mix two experiments in one table), while the list of configurations may grow. A last
 line cut short by a crash is dropped before anything is appended after it. The record is locked while
 a run holds it open, so a second run into the same folder is refused instead of overwriting the first
-one's work; outputs written from it are replaced whole (``replace``), never left half-written.
+one's work; outputs written from it are replaced whole (``write_whole``), never left half-written.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _lock(file: IO[bytes], path: Path) -> None:
         ) from None
 
 
-def replace(path: Path, write: Callable[[Path], object]) -> Path:
+def write_whole(path: Path, write: Callable[[Path], object]) -> Path:
     """Write ``path`` through ``write(temporary path)`` in the same folder, then rename it into place,
     so that an interrupted or concurrent write leaves the old file or the new one, never a part."""
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")

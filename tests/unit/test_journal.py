@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from priortr.journal import Journal, replace
+from priortr.journal import Journal, write_whole
 
 
 def lines(path) -> list[dict]:
@@ -72,7 +72,7 @@ def test_an_output_is_replaced_whole_or_not_at_all(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        replace(path, fails)
+        write_whole(path, fails)
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["table.md"]
-    assert replace(path, lambda partial: partial.write_text("new\n")) == path
+    assert write_whole(path, lambda partial: partial.write_text("new\n")) == path
     assert path.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["table.md"]

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     import priortr
     from priortr import bench
-    from priortr.journal import Journal, finished_so_far, replace
+    from priortr.journal import Journal, finished_so_far, write_whole
     from priortr.loading import torch_dtype
 
     out = Path(args.out)
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         report = runner.report()
         report.meta["peak_rss_bytes"] = bench.peak_rss_bytes()
         document = report.to_json()
-        replace(out / "bench.json", lambda path: path.write_text(json.dumps(document, indent=2)))
-        replace(out / "bench.md", lambda path: path.write_text(bench.format_markdown(report)))
-        replace(out / "bench.png", lambda path: bench.plot(report, path))
+        write_whole(out / "bench.json", lambda path: path.write_text(json.dumps(document, indent=2)))
+        write_whole(out / "bench.md", lambda path: path.write_text(bench.format_markdown(report)))
+        write_whole(out / "bench.png", lambda path: bench.plot(report, path))
     print(json.dumps(document) if args.json else bench.format_markdown(report))
     return 0

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
-from priortr.journal import Journal, replace
+from priortr.journal import Journal, write_whole
 from priortr.methods import get_method
 from priortr.prompts import prompt_text
 from priortr.testbed import DEFAULT_BUDGETS, DEFAULT_METHODS, VANILLA
@@ -190,9 +190,9 @@ class Report:
         directory.mkdir(parents=True, exist_ok=True)
         document = json.dumps(self.to_dict(), indent=2) + "\n"
         return [
-            replace(directory / f"{stem}.json", lambda path: path.write_text(document)),
-            replace(directory / f"{stem}.md", lambda path: path.write_text(self.to_markdown())),
-            replace(directory / f"{stem}.png", self.plot),
+            write_whole(directory / f"{stem}.json", lambda path: path.write_text(document)),
+            write_whole(directory / f"{stem}.md", lambda path: path.write_text(self.to_markdown())),
+            write_whole(directory / f"{stem}.png", self.plot),
         ]
 
 
