@@ -3,7 +3,7 @@
 handle = priortr.apply(model, method="priortr", budget=64, layer=2)
 model.generate(**inputs)          # unchanged call, pruned prefill
 handle.last.kept                  # what was kept
-handle.remove()                   # the stock model again
+handle.remove()                   # the stock model again (priortr.detach(model) without the handle)
 
 The public names are imported on first use (PEP 562), so that ``import priortr`` is cheap: the
 ``priortr`` command answers ``--help`` and ``methods`` without importing torch or transformers.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from priortr.adapters import register_adapter, supported_model_types
-    from priortr.api import PruningHandle, apply
+    from priortr.api import PruningHandle, apply, detach
     from priortr.engine import PruneResult, PruningSkippedWarning, StageResult
     from priortr.methods import (
         MethodInfo,
@@ -36,6 +36,7 @@ _HOMES = {
     "supported_model_types": "priortr.adapters",
     "PruningHandle": "priortr.api",
     "apply": "priortr.api",
+    "detach": "priortr.api",
     "PruneResult": "priortr.engine",
     "PruningSkippedWarning": "priortr.engine",
     "StageResult": "priortr.engine",
@@ -63,6 +64,7 @@ __all__ = [
     "apply",
     "available_methods",
     "available_rules",
+    "detach",
     "get_method",
     "get_rule",
     "register_adapter",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from os import PathLike
 from typing import Any
 
@@ -34,6 +35,11 @@ class PruningHandle:
 
     ``last`` holds what the most recent pruned prefill kept and why (a ``PruneResult``), or None
     before the first one.
+
+    A call that carries more than its prompt (``generate(use_cache=False)``, assisted decoding, an
+    answer scored in one call inside ``prompt_ends``) prunes as cached decoding does: the kept set is
+    decided by the prompt alone and what follows runs on the kept tokens in every layer, so it gives
+    what cached, pruned greedy decoding gives (docs/robustness.md).
     """
 
     def __init__(self, engine: PruningEngine) -> None:
@@ -58,6 +64,28 @@ class PruningHandle:
         self._engine.detach()
         if _ATTACHED.get(self._engine.model) is self:
             del _ATTACHED[self._engine.model]
+
+    def prompt_ends(self, at: int) -> AbstractContextManager[None]:
+        """Within this block, a call of the model (in this thread) holds its prompt, the image(s) and
+        the instruction, in its first ``at`` columns, and a continuation after them: an answer appended
+        to its question to score it, say. Lay a batch out with the prompts padded on the left and the
+        continuations on the right, so that every prompt ends at column ``at``.
+
+        Such a call prunes as cached decoding does: the kept set is decided by the prompt alone (what a
+        prefill of the prompt keeps, whatever follows), and the continuation runs on the kept tokens
+        in every layer, so its logits are those that cached, pruned decoding gives it, token by token.
+        The call runs as two passes for that (a prefill of the prompt, then the continuation on its
+        cache), and returns one output, the prompt's kept rows followed by the continuation's;
+        ``handle.last`` describes the prompt's prefill. Without the block a call is all prompt, and a
+        continuation in it would count as instruction. ``generate()`` sets it itself (its input is the
+        prompt), so ``use_cache=False`` and assisted decoding give what cached decoding gives::
+
+            with handle.prompt_ends(at=prompt["input_ids"].shape[1]):
+                logits = model(**prompt_and_answer, use_cache=False).logits  # [B, S' + T, V]
+        """
+        if not _is_int(at) or at < 1:
+            raise ValueError(f"at must be the prompt's column count, an int >= 1; got {at!r}")
+        return self._engine.prompt_ends(at)
 
     def __enter__(self) -> PruningHandle:
         if not self.attached:
@@ -137,7 +165,10 @@ def apply(
             "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"
         )
     if model in _ATTACHED:
-        raise ValueError("this model already has priortr attached; call .remove() on that handle first")
+        raise ValueError(
+            "this model already has priortr attached; call .remove() on that handle first, "
+            "or priortr.detach(model) if you no longer have it"
+        )
     config = pruning_config(
         method,
         budget,
@@ -217,6 +248,16 @@ def pruning_config(
         strict=strict,
         seed=seed,
     )
+
+
+def detach(model: nn.Module) -> bool:
+    """Remove whatever pruning is attached to ``model`` (as its handle's ``remove()`` would), also when
+    that handle was dropped; return whether something was attached."""
+    handle = _ATTACHED.get(model)
+    if handle is None:
+        return False
+    handle.remove()
+    return True
 
 
 def _is_int(value: object) -> bool:

@@ -14,8 +14,8 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,12 +311,22 @@ class Bench:
                 ceilings = Ceilings(**record["ceilings"])
             else:
                 self.records[_key(record)] = record
+        self._keep_recorded()
         if ceilings is None:
             ceilings = measure_ceilings(model.device, model.dtype)
             self._record({"kind": "ceilings", "ceilings": asdict(ceilings)})
         self.meta = _meta(model, meta or {})
         self.ceilings = ceilings
         self.n_visual = int((self._inputs(1)["input_ids"][0] == model.config.image_token_id).sum())
+
+    def _keep_recorded(self) -> None:
+        """A resumed run keeps (and finishes) every configuration and repeat it recorded, so that its
+        outputs hold every result its record holds."""
+        cases = list(dict.fromkeys([*self.cases, *(key[1] for key in self.records)]))
+        self.cases = [c for c in cases if c[0] == VANILLA] + [c for c in cases if c[0] != VANILLA]
+        rounds = [(key[0], key[2] + 1) for key in self.records if key[0] != "setup"]
+        self.repeats = max([self.repeats, *(n for kind, n in rounds if kind == "prefill")])
+        self.decode_repeats = max([self.decode_repeats, *(n for kind, n in rounds if kind == "decode")])
 
     def run(self, progress: Callable[[Iterator], Iterator] = iter) -> None:
         done = set(self.records)
@@ -486,12 +496,41 @@ def case_result(
 
 
 def compare(base: CaseResult, case: CaseResult) -> None:
-    """The speed-up of ``case`` over ``base`` (ratio of medians), its roofline limit, and whether the
-    difference of the medians exceeds the spread of both sides' timings (else it is not resolved)."""
+    """The speed-up of ``case`` over ``base`` (ratio of medians), its roofline limit, and whether it is
+    ``resolved`` by the timings."""
     case.speedup = base.lm_prefill_ms.median / case.lm_prefill_ms.median
     case.limit_speedup = base.predicted_ms / case.predicted_ms
-    difference = abs(base.lm_prefill_ms.median - case.lm_prefill_ms.median)
-    case.resolved = difference > max(base.lm_prefill_ms.width, case.lm_prefill_ms.width)
+    case.resolved = resolved(base.lm_prefill_ms, case.lm_prefill_ms)
+
+
+def resolved(base: Spread, case: Spread) -> bool:
+    """Whether two timings' medians differ by more than the spread of either side: a speed-up that
+    is not resolved is within noise."""
+    return abs(base.median - case.median) > max(base.width, case.width)
+
+
+def interleaved_lm_prefill(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    arms: dict[Hashable, Callable[[], AbstractContextManager]],
+    warmup: int,
+    repeats: int,
+) -> dict[Hashable, Spread]:
+    """The language-model prefill time of ``inputs`` under each arm (a function entering pruning, or
+    nothing, for one prefill), timed as ``Bench`` times it: ``warmup`` untimed rounds, then ``repeats``
+    timed rounds, every round over all arms in ``rotated`` order so that drift or another process
+    cancels out of the comparison instead of favouring whichever ran first. For front ends that time a
+    few configurations in one go (``priortr calibrate``, ``priortr demo``)."""
+    names = list(arms)
+    times: dict[Hashable, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + repeats):
+        for name in rotated(names, round_):
+            clock = [Clock(model.device)]
+            with arms[name](), timing_hooks(model, clock, []), torch.inference_mode():
+                model(**inputs, use_cache=True, logits_to_keep=1)
+                if round_ >= warmup:
+                    times[name].append(clock[0].elapsed_ms("lm_start", "lm_end"))
+    return {name: Spread.of(samples) for name, samples in times.items()}
 
 
 def run_bench(

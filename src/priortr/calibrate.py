@@ -9,15 +9,18 @@ with the unpruned model on the same batches:
   the same question that also sees changes below the arg-max;
 * speed-up: the unpruned language-model prefill time over the pruned one, each the median of repeated
   timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency
-  protocol times the language model without the vision tower; ``priortr.bench``);
+  protocol times the language model without the vision tower), the unpruned model and every
+  configuration timed in the same interleaved rounds, afresh on every run
+  (``priortr.bench.interleaved_lm_prefill``); a speed-up within the spread of the timings is flagged
+  and counts as none when ranking (``Timing``);
 * FLOPs share: the pruned language-model prefill FLOPs over the unpruned, from the stages the engine
   ran (``priortr.flops``).
 
 Per method, the recommendation is the fastest configuration whose agreement reaches the target; it is
 written as a config file (``priortr.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
 ``--config`` and the lmms-eval plug-in read. The unpruned answers are computed once per run and every
-measured configuration is cached in the output folder, so a re-run with a larger grid measures only
-what is new.
+measured configuration's answers are cached in the output folder, so a re-run with a larger grid
+answers only what is new (the timings, taken together, are always taken again).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,10 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
-from priortr.bench import Clock, timing_hooks
+from priortr.bench import Spread, interleaved_lm_prefill, resolved
 from priortr.config_file import write_config
 from priortr.flops import scheduled_prefill_flops
+from priortr.journal import write_whole
 from priortr.methods import get_method
 from priortr.prompts import prompt_text
 
@@ -83,26 +88,59 @@ class Setting:
         return {"method": self.method, "budget": self.budget, "layer": self.layer}
 
 
+@dataclass(frozen=True)
+class Timing:
+    """The language-model prefill of one configuration and of the unpruned model, in ms, from the
+    same interleaved rounds (``priortr.bench.interleaved_lm_prefill``)."""
+
+    lm_prefill: Spread
+    unpruned: Spread
+
+    @property
+    def speedup(self) -> float:
+        """Unpruned over pruned median."""
+        return self.unpruned.median / self.lm_prefill.median
+
+    @property
+    def resolved(self) -> bool:
+        """The medians differ by more than the spread of either side (``priortr.bench.resolved``)."""
+        return resolved(self.unpruned, self.lm_prefill)
+
+
 @dataclass
 class Measurement:
-    """What one configuration did on every prompt, against the unpruned model."""
+    """What one configuration did on every prompt, against the unpruned model; ``timing``: this
+    run's (not cached: timings of different runs are not compared)."""
 
     method: str
     layer: int | None
     budget: int | float
     agreement: float
     kl: float
-    lm_prefill_ms: float
-    speedup: float
     flops_share: float
     mean_kept: float
     agree: list[bool]
     kl_each: list[float]
     replies: list[str]
+    timing: Timing | None = None
 
     @property
     def setting(self) -> Setting:
         return Setting(self.method, self.layer, self.budget)
+
+    @property
+    def speedup(self) -> float:
+        return self.timing.speedup
+
+    @property
+    def resolved(self) -> bool:
+        return self.timing.resolved
+
+    @property
+    def credited_speedup(self) -> float:
+        """The speed-up a ranking may use: the measured one where the timings resolve it, else 1 (no
+        difference shown)."""
+        return self.speedup if self.resolved else 1.0
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -131,6 +169,8 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
             raise ValueError(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'{where} needs a "prompt" string: {line.strip()[:80]}')
+        if not record["prompt"].strip():
+            raise ValueError(f"{where}: the prompt is empty; ask a question about the image")
         if not isinstance(record.get("image"), str):
             raise ValueError(
                 f'{where} has no "image": every prompt needs an image file (a path relative to the folder), '
@@ -139,6 +179,11 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
         path = directory / record["image"]
         if not path.is_file():
             raise ValueError(f"{where}: image {str(path)!r} does not exist")
+        try:
+            with Image.open(path):  # the header only: a file PIL cannot open, or one too large for it
+                pass
+        except (OSError, Image.DecompressionBombError) as exc:
+            raise ValueError(f"{where}: cannot read image {str(path)!r}: {exc}") from None
         prompts.append(Prompt(str(record.get("id", number)), record["prompt"], _image_reader(path)))
     if not prompts:
         raise ValueError(f"{listing} holds no prompts")
@@ -150,7 +195,7 @@ def _image_reader(path: Path) -> Callable[[], Image.Image]:
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")
-        except OSError as exc:
+        except (OSError, Image.DecompressionBombError) as exc:
             raise ValueError(f"cannot read image {str(path)!r}: {exc}") from exc
 
     return load
@@ -190,7 +235,6 @@ class Reference:
     tokens: list[list[int]]
     replies: list[str]
     logprobs: torch.Tensor  # [N, V] float32
-    lm_prefill_ms: float
 
 
 class Calibrator:
@@ -244,17 +288,13 @@ class Calibrator:
                 return row[: i + 1]
         return row
 
-    def _lm_prefill_ms(self) -> float:
-        """Median language-model prefill time of the first prompt, with whatever pruning is attached."""
-        clock = [Clock(self.model.device)]
-        times = []
-        with timing_hooks(self.model, clock, []), torch.inference_mode():
-            for step in range(self.warmup + self.repeats):
-                clock[0] = Clock(self.model.device)
-                self.model(**self._timing_inputs, use_cache=True, logits_to_keep=1)
-                if step >= self.warmup:
-                    times.append(clock[0].elapsed_ms("lm_start", "lm_end"))
-        return statistics.median(times)
+    def time(self, settings: Sequence[Setting]) -> dict[str, Timing]:
+        """Each setting's ``Timing`` by key: the language-model prefill of the first prompt, unpruned
+        and under every setting, in the same interleaved rounds."""
+        arms: dict[str | None, Callable[[], Any]] = {None: nullcontext}
+        arms |= {s.key: partial(apply, self.model, **s.arguments(), strict=True) for s in settings}
+        spreads = interleaved_lm_prefill(self.model, self._timing_inputs, arms, self.warmup, self.repeats)
+        return {s.key: Timing(spreads[s.key], spreads[None]) for s in settings}
 
     def reference(self) -> Reference:
         """The unpruned answers (computed once per run)."""
@@ -265,7 +305,7 @@ class Calibrator:
                 tokens += answers
                 logprobs.append(lp)
         replies = self.processor.batch_decode(tokens, skip_special_tokens=True)
-        return Reference(tokens, replies, torch.cat(logprobs), self._lm_prefill_ms())
+        return Reference(tokens, replies, torch.cat(logprobs))
 
     def measure(self, setting: Setting, reference: Reference) -> Measurement:
         """One configuration on every prompt, against ``reference``."""
@@ -290,15 +330,12 @@ class Calibrator:
                     flops += scheduled_prefill_flops(self.model.config, total - visual, visual, stages)
                     flops_full += scheduled_prefill_flops(self.model.config, total - visual, visual, [])
                 start += len(batch)
-            ms = self._lm_prefill_ms()
         return Measurement(
             method=setting.method,
             layer=setting.layer,
             budget=setting.budget,
             agreement=sum(agree) / len(agree),
             kl=sum(kl) / len(kl),
-            lm_prefill_ms=ms,
-            speedup=reference.lm_prefill_ms / ms,
             flops_share=flops / flops_full,
             mean_kept=sum(kept) / len(kept),
             agree=agree,
@@ -341,24 +378,29 @@ class Cache:
         if document.get("fingerprint") != key:
             log.warning("%s was measured on other prompts or another model; measuring afresh", self.path)
             return
+        cached = {f.name for f in fields(Measurement)} - {"timing"}  # older caches also hold timings
         self.measurements = {
-            m["key"]: Measurement(**{k: v for k, v in m.items() if k != "key"})
+            m["key"]: Measurement(**{k: v for k, v in m.items() if k in cached})
             for m in document["measurements"]
         }
         if document.get("reference") and self.tensor_path.is_file():
-            self.reference = Reference(
-                logprobs=torch.load(self.tensor_path, weights_only=True), **document["reference"]
-            )
+            answers = {k: v for k, v in document["reference"].items() if k in ("tokens", "replies")}
+            self.reference = Reference(logprobs=torch.load(self.tensor_path, weights_only=True), **answers)
 
     def save(self) -> None:
+        """Write the cache, each file replaced whole (an interrupt leaves the previous one)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         reference = None
         if self.reference is not None:
-            torch.save(self.reference.logprobs, self.tensor_path)
+            logprobs = self.reference.logprobs
+            write_whole(self.tensor_path, lambda path: torch.save(logprobs, path))
             reference = {k: v for k, v in asdict(self.reference).items() if k != "logprobs"}
-        measurements = [{"key": m.setting.key, **asdict(m)} for m in self.measurements.values()]
+        measurements = [
+            {"key": m.setting.key, **{k: v for k, v in asdict(m).items() if k != "timing"}}
+            for m in self.measurements.values()
+        ]
         document = {"fingerprint": self.key, "reference": reference, "measurements": measurements}
-        self.path.write_text(json.dumps(document) + "\n")
+        write_whole(self.path, lambda path: path.write_text(json.dumps(document) + "\n"))
 
 
 # -- the result ---------------------------------------------------------------------------------------
@@ -377,12 +419,18 @@ class Calibration:
     measurements: list[Measurement]
     rank_by: str = "speedup"
 
+    @property
+    def unpruned(self) -> Spread:
+        """The unpruned model's LM prefill, timed in the same rounds as every measurement."""
+        return self.measurements[0].timing.unpruned
+
     def _speed(self, m: Measurement) -> tuple[float, float]:
-        """Faster first: by measured speed-up (FLOPs breaking ties), or by FLOPs alone where timings
-        are not to be trusted (a shared machine)."""
+        """Faster first: by the speed-up the timings resolve (FLOPs breaking ties, and deciding among
+        speed-ups within noise), or by FLOPs alone where timings are not to be trusted (a shared
+        machine)."""
         if self.rank_by == "flops":
-            return (-m.flops_share, m.speedup)
-        return (m.speedup, -m.flops_share)
+            return (-m.flops_share, m.credited_speedup)
+        return (m.credited_speedup, -m.flops_share)
 
     def recommendations(self) -> dict[str, Measurement | None]:
         """Per method, the fastest configuration whose agreement reaches the target (None: none does)."""
@@ -398,14 +446,14 @@ class Calibration:
         return max(chosen, key=self._speed, default=None)
 
     def pareto(self) -> list[Measurement]:
-        """Configurations no other beats in both agreement and measured speed-up."""
+        """Configurations no other beats in both agreement and resolved speed-up (``credited_speedup``)."""
         return [
             m
             for m in self.measurements
             if not any(
                 o.agreement >= m.agreement
-                and o.speedup >= m.speedup
-                and (o.agreement, o.speedup) != (m.agreement, m.speedup)
+                and o.credited_speedup >= m.credited_speedup
+                and (o.agreement, o.credited_speedup) != (m.agreement, m.credited_speedup)
                 for o in self.measurements
             )
         ]
@@ -420,10 +468,22 @@ class Calibration:
             "answer_tokens": self.tokens,
             "target": self.target,
             "rank_by": self.rank_by,
-            "unpruned": {"lm_prefill_ms": self.reference.lm_prefill_ms, "replies": self.reference.replies},
+            "unpruned": {
+                "lm_prefill_ms": self.unpruned.median,
+                "lm_prefill": asdict(self.unpruned),
+                "replies": self.reference.replies,
+            },
             "recommended": recommended,
             "measurements": [
-                {"key": m.setting.key, "pareto": m.setting.key in front, **asdict(m)}
+                {
+                    "key": m.setting.key,
+                    "pareto": m.setting.key in front,
+                    **{k: v for k, v in asdict(m).items() if k != "timing"},
+                    "lm_prefill_ms": m.timing.lm_prefill.median,
+                    "lm_prefill": asdict(m.timing.lm_prefill),
+                    "speedup": m.speedup,
+                    "speedup_resolved": m.resolved,
+                }
                 for m in self.measurements
             ],
         }
@@ -433,21 +493,23 @@ class Calibration:
         chosen = {m.setting.key for m in self.recommendations().values() if m is not None}
         lines = [
             f"Model `{self.model}`, data `{self.data}` ({len(self.prompt_ids)} prompts, answers of up to "
-            f"{self.tokens} tokens); unpruned LM prefill {self.reference.lm_prefill_ms:.1f} ms "
-            f"(first prompt, median). Target agreement {self.target:.2f}. P: on the Pareto front "
-            "(agreement vs speed-up); R: recommended for its method.",
+            f"{self.tokens} tokens); unpruned LM prefill {self.unpruned} ms (first prompt; median "
+            "[quartiles] or range, every configuration timed in the same interleaved rounds). Target "
+            f"agreement {self.target:.2f}. P: on the Pareto front (agreement vs speed-up); R: recommended "
+            "for its method; (!): a speed-up within the spread of the timings.",
             "",
             "| method | layer | K | agreement | KL (nats) | LM prefill ms | speed-up | FLOPs | kept | |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
-        for m in sorted(self.measurements, key=lambda m: (m.method, m.layer or -1, -m.budget)):
+        ordered = sorted(self.measurements, key=lambda m: (m.method, m.layer or -1, -m.budget))
+        for m in ordered:
             marks = ("P" if m.setting.key in front else "") + ("R" if m.setting.key in chosen else "")
             lines.append(
                 f"| {m.method} | {'-' if m.layer is None else m.layer} | {m.budget} | {m.agreement:.3f} | "
-                f"{m.kl:.4f} | {m.lm_prefill_ms:.1f} | {m.speedup:.2f}x | {m.flops_share:.3f} | "
+                f"{m.kl:.4f} | {m.timing.lm_prefill} | {speedup_text(m)} | {m.flops_share:.3f} | "
                 f"{m.mean_kept:.0f} | {marks} |"
             )
-        speed = "measured speed-up" if self.rank_by == "speedup" else "FLOPs share"
+        speed = "measured speed-up, FLOPs share within noise" if self.rank_by == "speedup" else "FLOPs share"
         lines += ["", f"Recommended (fastest by {speed} with agreement >= target):", ""]
         for method, m in self.recommendations().items():
             if m is None:
@@ -457,10 +519,12 @@ class Calibration:
                     f"{top.agreement:.3f}); measure larger budgets or other layers"
                 )
             else:
+                shown = speedup_text(m)
                 lines.append(
-                    f"- {method}: {m.setting.label}, agreement {m.agreement:.3f}, speed-up {m.speedup:.2f}x, "
+                    f"- {method}: {m.setting.label}, agreement {m.agreement:.3f}, speed-up {shown}, "
                     f"FLOPs share {m.flops_share:.3f} (`recommended-{method}.json`)"
                 )
+        lines += [f"\nwarning: {line}" for line in noise_warnings(ordered)]
         return "\n".join(lines) + "\n"
 
     def plot(self, path: str | Path) -> Path:
@@ -479,6 +543,16 @@ class Calibration:
             )
             label = method if layer is None else f"{method} L{layer}"
             ax.plot([m.speedup for m in points], [m.agreement for m in points], marker="o", label=label)
+        noisy = [m for m in self.measurements if not m.resolved]
+        if noisy:
+            ax.scatter(
+                [m.speedup for m in noisy],
+                [m.agreement for m in noisy],
+                marker="x",
+                color="black",
+                zorder=3,
+                label="speed-up within noise",
+            )
         front = sorted(self.pareto(), key=lambda m: m.speedup)
         ax.plot(
             [m.speedup for m in front],
@@ -537,6 +611,7 @@ class Calibration:
             "agreement": round(m.agreement, 4),
             "kl": round(m.kl, 5),
             "speedup": round(m.speedup, 3),
+            "speedup_resolved": m.resolved,
             "flops_share": round(m.flops_share, 4),
         }
 
@@ -592,8 +667,27 @@ def calibrate(
         bar.set_postfix_str(setting.label)
         cache.measurements[setting.key] = calibrator.measure(setting, cache.reference)
         cache.save()  # an interrupted run keeps what it measured
+    bar.set_postfix_str("timing")
+    timings = calibrator.time(settings)
     bar.close()
-    measured = [cache.measurements[s.key] for s in settings]
+    measured = [replace(cache.measurements[s.key], timing=timings[s.key]) for s in settings]
     return Calibration(
-        model_name, data_name, [p.id for p in prompts], target, tokens, cache.reference, measured
+        model_name, data_name, [p.id for p in prompts], target, tokens, cache.reference, measured, rank_by
     )
+
+
+def speedup_text(m: Measurement) -> str:
+    """``1.52x``, or ``0.98x (!)`` where the timings do not resolve it."""
+    return f"{m.speedup:.2f}x" + ("" if m.resolved else " (!)")
+
+
+def noise_warnings(measurements: Iterable[Measurement]) -> list[str]:
+    """One line per speed-up (marked (!)) that the spread of the timings cannot support."""
+    return [
+        f"{m.setting.label}: the LM prefill medians differ by less than the spread of the timings "
+        f"({max(m.timing.lm_prefill.width, m.timing.unpruned.width):.2f} ms); the speed-up "
+        f"{m.speedup:.2f}x is within noise and ranks as none (its FLOPs share, {m.flops_share:.3f}, "
+        "is what pruning saves): add --repeats or free the machine"
+        for m in measurements
+        if not m.resolved
+    ]

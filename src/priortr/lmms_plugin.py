@@ -15,12 +15,13 @@ Requests, in lmms-eval's "simple" model format:
 * ``generate_until``: greedy ``generate()`` on the chat-template prompt (image(s) first, then the
   context), batches of ``batch_size`` requests with the same generation kwargs, left padding; the answer
   is cut at the first ``until`` string.
-* ``loglikelihood`` (``multiple_choice`` and ``loglikelihood`` tasks): one plain forward pass over
-  prompt + continuation (prompt = chat template with the generation prompt, continuation appended as
-  text), pruned like any prefill; the continuation is text after the image, so it is never pruned and
-  its logits are the last rows of the pruned logits (checked against ``handle.last.positions``).
-  Returns ``(-sum log p(continuation), is_greedy)``: a loss, because lmms-eval's ``multiple_choice``
-  picks the choice with the *smallest* value (its built-in models return a token-mean loss).
+* ``loglikelihood`` (``multiple_choice`` and ``loglikelihood`` tasks): one call over prompt +
+  continuation (prompt = chat template with the generation prompt, continuation = the tokens the text
+  adds to it), inside ``handle.prompt_ends``: the kept set is the prompt's own, so every option of a
+  question is scored on the same kept tokens, and the continuation's logits are those of cached, pruned
+  decoding (``priortr.engine.continuation``). Returns ``(-sum log p(continuation), is_greedy)``: a
+  loss, because lmms-eval's ``multiple_choice`` picks the choice with the *smallest* value (its
+  built-in models return a token-mean loss).
 
 Kept/total visual tokens are recorded per batch and reported through lmms-eval's throughput log
 (``results.json["throughput"]["avg_kept_tokens"]``, ``avg_visual_tokens``, ``avg_budget``).
@@ -283,6 +284,27 @@ class PriorTRLMMs(lmms):
         )
         return inputs.to(self.device, dtype=self.model.dtype)  # only floating tensors (pixels) are cast
 
+    def _with_continuations(self, prompts: Any, tails: list[list[int]]) -> tuple[dict[str, Any], int]:
+        """The encoded prompts (left padded) followed by each row's continuation tokens ``tails``,
+        right padded; and P, the prompts' columns. Per-token inputs other than the ids (token types)
+        get 0 on the continuation, as text."""
+        ids = prompts["input_ids"]
+        batch, end = ids.shape
+        width = max(map(len, tails))
+        tail_ids = torch.full((batch, width), self.pad_token_id, dtype=ids.dtype)
+        tail_mask = torch.zeros(batch, width, dtype=ids.dtype)
+        for row, tail in enumerate(tails):
+            tail_ids[row, : len(tail)] = torch.tensor(tail, dtype=ids.dtype)
+            tail_mask[row, : len(tail)] = 1
+        inputs = dict(prompts)
+        for name, value in prompts.items():
+            if isinstance(value, torch.Tensor) and value.shape == ids.shape:  # per token: ids, mask, types
+                extra = {"input_ids": tail_ids, "attention_mask": tail_mask}.get(
+                    name, torch.zeros_like(tail_ids)
+                )
+                inputs[name] = torch.cat([value, extra.to(value.device, value.dtype)], dim=1)
+        return inputs, end
+
     def _text_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -414,13 +436,15 @@ class PriorTRLMMs(lmms):
         images: list[list[Image.Image]],
         stats: KeptStats | None = None,
     ) -> list[tuple[float, bool]]:
-        """(sum of log-probs, is_greedy) of each continuation after its prompt, in one pruned forward pass
-        (left padded; rows with different visual-token counts, several images or none are one batch).
+        """(sum of log-probs, is_greedy) of each continuation after its prompt, in one call (rows with
+        different visual-token counts, several images or none are one batch).
 
         The continuation's tokens are those of tokenize(prompt + continuation) past tokenize(prompt), as
-        lm-eval splits them. The logits row of original position p predicts the token at p + 1, and the
-        pruned logits hold the rows of ``handle.last.positions``: text after the image is always kept, so
-        the n continuation tokens at S-n .. S-1 are predicted by the last n + 1 rows but one.
+        lm-eval splits them. The batch is laid out as [prompt, left padded | continuation, right
+        padded], so that every prompt ends at one column P: the call runs in ``handle.prompt_ends(P)``
+        and returns the prompt's rows (``handle.last.positions``, its last one the prompt's last token:
+        text after the image is always kept) followed by one row per continuation column. The row of
+        position p predicts the token at p + 1.
         """
         prompts = [
             prompt_text(self.processor, context, len(imgs))
@@ -433,35 +457,23 @@ class PriorTRLMMs(lmms):
             if n < 1:
                 raise ValueError(f"priortr: the continuation {continuation!r} adds no token to the prompt")
             tails.append(whole[-n:])
-        texts = [p + c for p, c in zip(prompts, continuations, strict=True)]
         out: list[tuple[float, bool]] = []
-        inputs = self._encode(texts, images)
+        inputs, end = self._with_continuations(self._encode(prompts, images), tails)
         before = self.handle.last
-        with torch.inference_mode():
-            logits = self.model(**inputs, use_cache=False).logits  # [B, S', V]
+        with torch.inference_mode(), self.handle.prompt_ends(at=end):
+            logits = self.model(**inputs, use_cache=False).logits  # [B, S' + T, V]
         kept = self._kept(before)
         if stats is not None:
-            stats.add(len(texts), *kept)
-        input_ids = inputs["input_ids"]
-        seq, pruned_seq = input_ids.shape[1], logits.shape[1]
-        if kept[0] == 0:  # nothing was pruned (no image): every position is a row
-            positions = torch.arange(seq, device=logits.device).expand(len(texts), seq)
-        else:
-            positions = self.handle.last.positions
-        if positions.shape[1] != pruned_seq:
-            raise RuntimeError(f"priortr: {pruned_seq} logits rows but {positions.shape[1]} positions")
+            stats.add(len(prompts), *kept)
+        prompt_rows = logits.shape[1] - (inputs["input_ids"].shape[1] - end)  # S'
+        if kept[0] > 0:
+            positions = self.handle.last.positions  # [B, S'] the prompt's rows
+            if positions.shape[1] != prompt_rows or not bool((positions[:, -1] == end - 1).all()):
+                raise RuntimeError("priortr: the prompt's last token is not the last of its logits rows")
         for row, tail in enumerate(tails):
             n = len(tail)
-            target = input_ids[row, seq - n :]
-            if target.tolist() != tail:
-                raise RuntimeError(
-                    f"priortr: the processor tokenised the continuation {continuations[row]!r} "
-                    "differently from the tokenizer"
-                )
-            expected = torch.arange(seq - n - 1, seq, device=positions.device)
-            if not torch.equal(positions[row, -n - 1 :], expected):
-                raise RuntimeError("priortr: the continuation's logits are not the last rows of the logits")
-            rows_logits = logits[row, pruned_seq - n - 1 : pruned_seq - 1]
+            target = inputs["input_ids"][row, end : end + n]
+            rows_logits = logits[row, prompt_rows - 1 : prompt_rows - 1 + n]
             # at least float32 (fp16/bf16 models), float64 stays float64
             dtype = torch.promote_types(rows_logits.dtype, torch.float32)
             log_probs = torch.log_softmax(rows_logits.to(dtype), dim=-1)

@@ -141,15 +141,17 @@ def load(
     attn_implementation: str | None = None,
     device_map: str | None = None,
     option: str = "--model",
+    processor: Any = None,
 ) -> tuple[Any, nn.Module]:
     """(processor, model in eval mode) from a hub id or checkpoint directory, checked first.
 
     ``dtype``: a name of ``DTYPES``, or None/``auto`` for the checkpoint's. ``device_map`` (model
     parallel, or straight onto one device without a host copy) is passed to ``from_pretrained``;
-    without it the model is loaded and then moved to ``device``. Any failure is a ValueError naming
-    ``option`` (how the caller's user named the model).
+    without it the model is loaded and then moved to ``device``. ``processor``: one loaded already
+    (:func:`load_processor`, to check prompts before the weights load). Any failure is a ValueError
+    naming ``option`` (how the caller's user named the model).
     """
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     check_dtype(dtype, check_device(device, "device"))
     source = model_source(source, option)
@@ -157,8 +159,8 @@ def load(
     extra: dict[str, Any] = {"device_map": device_map} if device_map else {}
     if attn_implementation:
         extra["attn_implementation"] = attn_implementation
+    processor = load_processor(source) if processor is None else processor
     try:
-        processor = AutoProcessor.from_pretrained(source)
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype(dtype), **extra)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         raise ValueError(f"cannot load model {source!r}: {exc}") from exc
@@ -168,6 +170,16 @@ def load(
         return processor, model.to(device).eval()
     except (RuntimeError, AssertionError) as exc:  # torch raises AssertionError for CUDA-less builds
         raise ValueError(f"cannot move the model to device {device!r}: {exc}") from exc
+
+
+def load_processor(source: str) -> Any:
+    """The processor of a checkpoint directory or hub id (tokenizer and image processor, no weights)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        raise ValueError(f"cannot load model {source!r}: {exc}") from exc
 
 
 def first_line(exc: BaseException) -> str:

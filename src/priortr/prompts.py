@@ -33,10 +33,22 @@ def prompt_text(processor: Any, question: str, n_images: int = 1) -> str:
 def chat_inputs(processor: Any, image: Any, prompt: str, model: nn.Module) -> dict:
     """The processor's chat-template inputs for one image and one question, on the model's device.
 
-    The question must be real text: with none, the posterior P would average the chat template's own
-    tokens and pruning would run on them without a word; an image placeholder typed into it would ask
-    for a second image.
+    The question must pass :func:`check_prompt`.
     """
+    check_prompt(processor, prompt)
+    return processor.apply_chat_template(
+        user_turn(prompt, [image]),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    ).to(model.device, dtype=model.dtype)  # only floating tensors (pixels) are cast
+
+
+def check_prompt(processor: Any, prompt: str) -> None:
+    """Refuse a question that is not real text: with none, the posterior P would average the chat
+    template's own tokens and pruning would run on them without a word; an image placeholder of
+    ``processor`` typed into it would ask for a second image."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(
             f"the prompt is empty ({prompt!r}): the methods rank the image by the instruction's attention, "
@@ -49,10 +61,3 @@ def chat_inputs(processor: Any, image: Any, prompt: str, model: nn.Module) -> di
             f"the prompt contains {', '.join(map(repr, typed))}: the chat template places the image itself; "
             "pass the question text only"
         )
-    return processor.apply_chat_template(
-        user_turn(prompt, [image]),
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        return_tensors="pt",
-    ).to(model.device, dtype=model.dtype)  # only floating tensors (pixels) are cast

@@ -122,13 +122,22 @@ class Table:
 
 
 def benchmark(task: str, entry: dict[str, Any]) -> Benchmark | None:
-    """The task's benchmark: the paper's, else its first numeric metric as is (None: no metric, a group)."""
+    """The task's benchmark: the paper's, else its first numeric metric as is, or its first metric when
+    none is numeric (``read_run`` refuses it then); None for an entry with no metric (a group)."""
     if task in PAPER_BENCHMARKS:
         return PAPER_BENCHMARKS[task]
-    for key, value in entry.items():
-        if "stderr" not in key and isinstance(value, int | float) and not isinstance(value, bool):
-            return Benchmark(task, (key,), decimals=OTHER_DECIMALS)
-    return None
+    metrics = [key for key in entry if key != "alias" and "stderr" not in key]
+    numeric = [key for key in metrics if _is_number(entry[key])]
+    return Benchmark(task, ((numeric or metrics)[0],), decimals=OTHER_DECIMALS) if metrics else None
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float (True and False are not scores)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)
 
 
 def parse_model_args(model_args: str | dict[str, Any]) -> dict[str, str]:
@@ -140,7 +149,11 @@ def parse_model_args(model_args: str | dict[str, Any]) -> dict[str, str]:
 
 
 def _number(text: str) -> int | float:
-    return int(text) if text.lstrip("+-").isdigit() else float(text)
+    """A finite number from text, or ValueError."""
+    value = int(text) if text.lstrip("+-").isdigit() else float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
 
 
 def read_run(path: Path) -> Run:
@@ -159,22 +172,35 @@ def read_run(path: Path) -> Run:
     try:
         budget = None if unpruned else _number(args.get("budget", DEFAULT_BUDGET))
     except ValueError:
-        raise ReportError(f"{path}: budget={args['budget']!r} in model_args is not a number") from None
+        raise ReportError(f"{path}: budget={args['budget']!r} in model_args is not a finite number") from None
+    visual_tokens = throughput.get("avg_visual_tokens")
+    if visual_tokens is not None and not _is_finite(visual_tokens):
+        raise ReportError(f"{path}: throughput avg_visual_tokens is {visual_tokens!r}, not a finite number")
     scores = {}
     for task, entry in data["results"].items():
+        if not isinstance(entry, dict):
+            raise ReportError(
+                f"{path}: results of task {task} is {entry!r}, not an object of metrics: "
+                "not an lmms-eval results file"
+            )
         bench = benchmark(task, entry)
         if bench is None:
             continue
-        missing = [key for key in bench.metrics if not isinstance(entry.get(key), int | float)]
-        if missing:
-            raise ReportError(f"{path}: task {task} has no numeric {', '.join(missing)}")
+        for key in bench.metrics:
+            if key not in entry:
+                raise ReportError(f"{path}: task {task} has no metric {key}")
+            if not _is_finite(entry[key]):
+                raise ReportError(
+                    f"{path}: task {task}, metric {key} is {entry[key]!r}, not a finite number; "
+                    "rerun the task, or leave this file out"
+                )
         scores[task] = bench.scale * sum(entry[key] for key in bench.metrics)
     return Run(
         path=path,
         model=model,
         method=VANILLA if unpruned else args.get("method", DEFAULT_METHOD),
         budget=budget,
-        visual_tokens=throughput.get("avg_visual_tokens"),
+        visual_tokens=visual_tokens,
         scores=scores,
     )
 

@@ -8,6 +8,7 @@ hand from two plain ``generate`` calls; a config file gives the same ``PruningCo
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -58,11 +59,7 @@ def run_calibration(loaded, folder: Path, out: Path, settings, **kwargs) -> cali
         out,
         model_name="tiny",
         data_name=str(folder),
-        batch_size=3,  # a full batch and a ragged one
-        warmup=0,
-        repeats=1,
-        progress=False,
-        **kwargs,
+        **{"batch_size": 3, "warmup": 0, "repeats": 1, "progress": False, **kwargs},  # batches: 3 and 1
     )
 
 
@@ -278,3 +275,104 @@ def test_the_shipped_testbed_setting_is_a_valid_config(loaded) -> None:
     assert demo.setting(layer=2, budget=32) == {"layer": 2, "budget": 32}
     metadata = json.loads(demo.CALIBRATED.read_text())["calibration"]
     assert metadata["data"] == "scenes-train"  # chosen on training scenes, never on test questions
+
+
+def test_a_config_that_sets_options_works_on_the_command_line(
+    checkpoint: Path, folder: Path, tmp_path: Path, capsys
+) -> None:
+    """Before: the CLI passed options={} of its own, which apply() refused as a conflict with the file."""
+    setting = {"method": "priortr+merge", "budget": 4, "layer": 1, "options": {"adaptive": True}}
+    path = write_config(tmp_path / "merge.json", setting)
+    base = ["generate", "--model", str(checkpoint), "--image", str(folder / "img0.png")]
+    base += ["--prompt", PROMPTS[0], "--max-new-tokens", "2"]
+    assert main([*base, "--config", str(path)]) == 0
+    via_file = capsys.readouterr().out
+    flags = ["--method", "priortr+merge", "--budget", "4", "--layer", "1", "--option", "adaptive=true"]
+    assert main([*base, *flags]) == 0  # JSON's lower-case true as well as True
+    assert capsys.readouterr().out.splitlines()[:2] == via_file.splitlines()[:2]
+    assert main([*base, "--config", str(path), "--option", "adaptive=False"]) == 2  # a real conflict
+    assert "options={'adaptive': False} was passed and config" in capsys.readouterr().err
+    assert main(["flops", "--model", str(checkpoint), "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "which take no options" in err and "priortr bench --config" in err and "generate" not in err
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"method": "fastv", "budget": 4, "layer": 1},  # as `priortr calibrate` writes it: no options
+        {"method": "priortr+merge", "budget": 4, "layer": 1, "options": {"adaptive": True}},
+    ],
+)
+def test_bench_takes_a_config_with_or_without_options(checkpoint: Path, tmp_path: Path, setting) -> None:
+    """Before: a config without options stopped bench with an AttributeError traceback."""
+    path = write_config(tmp_path / "c.json", setting)
+    argv = ["bench", "--model", str(checkpoint), "--config", str(path), "--batch-sizes", "1", "--warmup", "0"]
+    argv += ["--repeats", "1", "--decode-repeats", "1", "--new-tokens", "1", "--text-tokens", "6"]
+    assert main([*argv, "--device", "cpu", "--out", str(tmp_path / "bench"), "--json"]) == 0
+    cases = json.loads((tmp_path / "bench" / "bench.json").read_text())["cases"]
+    assert [(c["method"], c["budget"]) for c in cases] == [("vanilla", None), (setting["method"], 4)]
+
+
+def scripted_timings(monkeypatch, model, timings: dict) -> None:
+    """The language-model prefill times each configuration measures, in turn: keyed by
+    (method, budget) of the pruning attached to ``model`` at the time (None: the unpruned model)."""
+    from priortr import api, bench
+
+    served = {key: itertools.cycle(values) for key, values in timings.items()}
+
+    def elapsed_ms(self, start: str, end: str) -> float:
+        handle = api._ATTACHED.get(model)
+        return next(served[None if handle is None else (handle.config.method.name, handle.config.budget)])
+
+    monkeypatch.setattr(bench.Clock, "elapsed_ms", elapsed_ms)
+
+
+def test_a_speed_up_within_noise_is_flagged_and_not_recommended(
+    loaded, folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Before: a speed-up was the ratio of two medians timed minutes apart, printed bare and ranked as
+    measured, so a noisy 2.5x beat a clear 1.67x."""
+    model, _ = loaded
+    noisy, clear = ("fastv", 8), ("fastv", LLAVA_N_VISUAL)
+    timings = {None: [100.0, 104.0, 100.0], clear: [60.0], noisy: [40.0, 140.0, 40.0]}
+    scripted_timings(monkeypatch, model, timings)
+    settings = calibrate.grid(["fastv"], [1], [LLAVA_N_VISUAL, 8])
+    result = run_calibration(loaded, folder, tmp_path, settings, target=0.01, repeats=3)
+    by_budget = {m.budget: m for m in result.measurements}
+    assert by_budget[8].speedup == pytest.approx(2.5) and not by_budget[8].resolved
+    assert by_budget[LLAVA_N_VISUAL].speedup == pytest.approx(100 / 60) and by_budget[LLAVA_N_VISUAL].resolved
+    assert result.recommendations()["fastv"].budget == LLAVA_N_VISUAL
+    table = result.to_markdown()
+    assert "| 2.50x (!) |" in table and "| 1.67x |" in table
+    assert "warning: fastv L1 K=8: the LM prefill medians differ by less than the spread" in table
+    assert "100.00 (range 100.00-104.00, 3 runs)" in table
+    document = result.to_dict()["measurements"]
+    assert [m["speedup_resolved"] for m in document] == [True, False]
+
+
+def test_the_demo_flags_a_speed_up_within_noise(loaded, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Before: `priortr demo` printed "PriorTR 0.86x" beside "FastV 12.95x" from medians timed one after
+    the other, with nothing to say that the first was noise."""
+    from priortr.testbed import demo
+
+    model, processor = loaded
+    timings = {None: [100.0, 104.0, 100.0], ("fastv", 4): [50.0], ("priortr", 4): [101.0, 103.0, 101.0]}
+    scripted_timings(monkeypatch, model, timings)
+    monkeypatch.setattr(demo, "load", lambda: (model, processor))
+    samples = demo.demo_samples()[:2]
+    monkeypatch.setattr(demo, "demo_samples", lambda: samples)
+    monkeypatch.setattr(demo, "figure", lambda *args: args[-1])
+    assert main(["demo", "--layer", "1", "--budget", "4", "--out", str(tmp_path / "demo.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fastv = next(line for line in lines if line.strip().startswith("fastv"))
+    priortr_line = next(line for line in lines if line.strip().startswith("priortr"))
+    assert "2.00x" in fastv and "(!)" not in fastv
+    assert "0.99x (!)" in priortr_line
+    assert any(line.startswith("warning: priortr: the LM prefill medians differ") for line in lines)
+
+
+def test_rank_by_reaches_the_result(loaded, folder: Path, tmp_path: Path) -> None:
+    """Before: calibrate() checked rank_by and then ranked by speed-up whatever was asked."""
+    result = run_calibration(loaded, folder, tmp_path, calibrate.grid(["fastv"], [1], [8]), rank_by="flops")
+    assert result.rank_by == "flops" and result.to_dict()["rank_by"] == "flops"

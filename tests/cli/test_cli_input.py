@@ -9,6 +9,7 @@ arguments, devices this machine lacks. A few cases run as a user types them (a s
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,46 @@ def test_an_unreadable_image_is_refused(files, capsys, image, message):
     image = image.format(**files)
     argv = ["generate", "--model", str(files["tiny"]), "--image", image, *PROMPT]
     refused(capsys, argv, "cannot read image", message)
+
+
+def test_an_image_too_large_for_pil_is_one_line(files, capsys, monkeypatch):
+    """Before: PIL's DecompressionBombError (a 15000 x 15000 PNG of 655 KB) ended in a traceback; here PIL's
+    limit is lowered so that the 40 x 30 image stands in for it."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)
+    argv = ["generate", "--model", str(files["tiny"]), "--image", str(files["image"]), *PROMPT]
+    refused(capsys, argv, "cannot read image", "decompression bomb", "resize it")
+
+
+@pytest.mark.parametrize("command", ["generate", "viz"])
+def test_a_typed_image_placeholder_is_refused_before_the_model_loads(files, capsys, tmp_path, command):
+    """Before: refused by chat_inputs only after the weights had loaded (``nothing_runs`` forbids it)."""
+    argv = [command, "--model", str(files["tiny"]), "--image", str(files["image"])]
+    argv += [
+        "--prompt",
+        "<image> what is it?",
+        *(["--out", str(tmp_path / "m.png")] if command == "viz" else []),
+    ]
+    refused(capsys, argv, "--prompt: the prompt contains '<image>'")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"image": "image.png", "prompt": "  "}, "line 1: the prompt is empty"),  # before: accepted
+        ({"image": "image.png", "prompt": "<image> what?"}, "prompt 1: the prompt contains '<image>'"),
+        ({"image": "notes.txt", "prompt": "what?"}, "line 1: cannot read image"),
+    ],
+)
+def test_calibrate_checks_every_prompt_and_image_before_the_model_loads(
+    files, capsys, tmp_path, line, message
+):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("image", "text_file"):
+        (folder / files[name].name).write_bytes(files[name].read_bytes())
+    (folder / "prompts.jsonl").write_text(json.dumps(line) + "\n")
+    argv = ["calibrate", "--model", str(files["tiny"]), "--data", str(folder), "--out", str(tmp_path / "out")]
+    refused(capsys, argv, message)
 
 
 def test_an_empty_prompt_is_refused(files, capsys):

@@ -83,3 +83,18 @@ def test_the_listing_from_the_catalog_is_the_listing_from_the_registry(argv: lis
     from_registry = run(argv, "import priortr.methods  # the live registry is listed")
     assert "priortr.methods" not in from_catalog["loaded"]
     assert from_catalog["out"] == from_registry["out"]
+
+
+def test_a_reader_that_stops_early_is_not_an_error() -> None:
+    """``priortr methods | head -1``: before, the command printed "priortr: error: [Errno 32] Broken
+    pipe" and exited 2; now it exits quietly with the shell's code of a writer stopped by its reader."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "priortr.cli", "methods"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    command.stdout.close()  # the reader is gone before the command writes
+    err = command.stderr.read().decode()
+    assert command.wait(timeout=120) == 141
+    assert err == ""

@@ -23,6 +23,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from priortr.lmms_plugin import PADDING_KEY, PriorTRLMMs, cut_at_stop
+from priortr.prompts import prompt_text
 from tests.helpers.lmms import BUDGET, N_VISUAL, TASK_DIR, lmms_eval_command
 from tests.helpers.lmms_task.utils import CHOICES, RECORDS, write_local_dataset
 
@@ -149,8 +150,9 @@ def _instance(kind: str, args: tuple, doc_id: int) -> Instance:
 def _by_hand(
     lm: PriorTRLMMs, stock: torch.nn.Module, context: str, continuation: str, images: list[Image.Image]
 ) -> tuple[float, bool]:
-    """Sum of log-softmax of the continuation tokens, from one plain forward pass of batch 1: of the
-    pruned model for a prompt with images (the budget split over two), of the stock model without."""
+    """Sum of log-softmax of the continuation tokens as cached, pruned decoding reads them, batch 1: a
+    pruned prefill of the prompt alone (the budget split over two images), then the continuation on
+    its cache; the stock model in one pass for a prompt without images."""
     content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": context}]
     prompt = lm.processor.apply_chat_template(
         [{"role": "user", "content": content}],
@@ -161,28 +163,39 @@ def _by_hand(
     )
     cont = torch.tensor([lm.tokenizer(continuation, add_special_tokens=False)["input_ids"]])
     inputs = dict(prompt)
-    inputs["input_ids"] = torch.cat([prompt["input_ids"], cont], dim=1)
-    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
-    seq, n = inputs["input_ids"].shape[1], cont.shape[1]
+    seq, n = prompt["input_ids"].shape[1], cont.shape[1]
     with torch.inference_mode():
         if images:
             before = lm.handle.last
-            logits = lm.model(**inputs, use_cache=False).logits[0]
+            prefill = lm.model(**inputs, use_cache=True)
             assert lm.handle.last is not before and lm.handle.last.kept.shape == (1, BUDGET)
-            positions = lm.handle.last.positions[0].tolist()
+            mask = torch.ones(1, seq + n, dtype=torch.long)
+            rest = lm.model(input_ids=cont, attention_mask=mask, past_key_values=prefill.past_key_values)
+            rows = torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]])  # row j predicts token j
         else:
-            logits = stock(**inputs, use_cache=False).logits[0]
-            positions = list(range(seq))
-    assert len(positions) == logits.shape[0]
-    total, greedy = 0.0, True
-    for j, token in enumerate(cont[0].tolist()):
-        row = positions.index(seq - n + j - 1)  # the logits row that predicts position seq - n + j
-        log_probs = torch.log_softmax(logits[row], dim=-1)
-        total += float(log_probs[token])
-        greedy &= int(log_probs.argmax()) == token
-    return total, greedy
+            whole = torch.cat([prompt["input_ids"], cont], dim=1)
+            rows = stock(input_ids=whole, attention_mask=torch.ones_like(whole)).logits[0, seq - 1 : -1]
+    log_probs = torch.log_softmax(rows, dim=-1)
+    total = float(log_probs.gather(1, cont[0][:, None]).sum())
+    return total, bool((log_probs.argmax(dim=-1) == cont[0]).all())
+
+
+def test_every_option_is_scored_on_the_kept_set_of_its_question(lm: PriorTRLMMs) -> None:
+    """Before: each option was appended to the question inside the pruned prefill, counted as
+    instruction, and scored on a kept set of its own."""
+    images = lm.task_dict["local"]["test"][1]["images"]
+    context, options = "describe this picture", [" red", " a red cat", " blue blue blue"]
+    prompt = lm._encode([prompt_text(lm.processor, context, 1)], [images])
+    with torch.inference_mode():
+        lm.model(**prompt, use_cache=False)
+    alone = lm.handle.last.kept[0]  # what a prefill of the question keeps
+    lm._score([context] * 3, options, [images] * 3)  # the three options in one batch
+    assert all(torch.equal(kept, alone) for kept in lm.handle.last.kept)
+    for option in options:  # and each on its own
+        lm._score([context], [option], [images])
+        assert torch.equal(lm.handle.last.kept[0], alone)
 
 
 @pytest.mark.filterwarnings("ignore::priortr.PruningSkippedWarning")
@@ -208,7 +221,8 @@ def test_loglikelihood_batch_2_matches_a_direct_pruned_forward(
     by_function = _instance(
         "loglikelihood", (LL_REQUESTS[1][0], lambda doc: " a red cat", _doc_to_visual, 1, "local", "test"), 1
     )
-    assert lm.loglikelihood([by_function])[0].text == results[1].text
+    alone = lm.loglikelihood([by_function])[0].text  # a batch of its own: other padding, same score
+    assert alone[0] == pytest.approx(results[1].text[0], abs=1e-7) and alone[1] == results[1].text[1]
 
 
 @pytest.mark.filterwarnings("ignore::priortr.PruningSkippedWarning")

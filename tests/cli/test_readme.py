@@ -92,3 +92,5 @@ def test_the_python_snippet_runs_on_the_testbed(tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), namespace)
     prompt = namespace["inputs"]["input_ids"].shape[1]
     assert prompt < namespace["out"].shape[1] <= prompt + 4
+    kept_rows = namespace["handle"].last.positions.shape[1]  # the answer's rows follow the prompt's
+    assert namespace["logits"].shape[1] == kept_rows + namespace["out"].shape[1] - prompt

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,6 +63,24 @@ def test_apply_twice_is_refused(llava):
     with priortr.apply(llava), pytest.raises(ValueError, match="already has priortr attached"):
         priortr.apply(llava)
     priortr.apply(llava).remove()  # removed handles free the model again
+
+
+def test_a_dropped_handle_is_detached_through_the_model(llava):
+    """Before: a handle dropped without remove() left the model pruned, with no public way back."""
+    batch = llava_batch(llava)
+    with torch.no_grad():
+        stock = llava(**batch.kwargs()).logits
+        priortr.apply(llava, budget=4)  # the handle is not kept
+        gc.collect()
+        assert llava(**batch.kwargs()).logits.shape[1] < stock.shape[1]  # still pruned
+        with pytest.raises(ValueError, match=r"priortr.detach\(model\)"):
+            priortr.apply(llava)
+        assert priortr.detach(llava) is True
+        assert torch.equal(llava(**batch.kwargs()).logits, stock)
+        assert priortr.detach(llava) is False  # nothing attached: nothing to do
+        with priortr.apply(llava, budget=4) as handle:
+            assert priortr.detach(llava) is True and not handle.attached
+        handle.remove()  # idempotent after a detach
 
 
 def test_prompt_without_image_is_skipped_with_a_notice(llava):

@@ -305,8 +305,28 @@ def test_methods_command_lists_every_method(capsys):
     assert where["visionzip"] == "before the LLM"
     assert where["pdrop"] == "after several decoder layers"
     assert where["priortr"] == "after decoder layer L"
+    # before: knobs were one formatted string and the default layer was missing
+    info = {row["name"]: row for row in rows}
+    assert {name: row["default_layer"] for name, row in info.items()} == {
+        name: priortr.get_method(name).default_layer for name in priortr.available_methods()
+    }
+    assert (info["fastv"]["default_layer"], info["priortr"]["default_layer"]) == (1, 2)
+    assert info["visionzip"]["default_layer"] is None
+    assert info["priortr+merge"]["knobs"] == {
+        "adaptive": False,
+        "recycle_ratio": 0.3,
+        "tokens_per_cluster": 10,
+        "clustering": "kmeans",
+    }
     assert main(["methods"]) == 0
-    assert "PyramidDrop" in capsys.readouterr().out
+    listing = capsys.readouterr().out
+    assert "PyramidDrop" in listing and "after decoder layer L (default 1)  FastV" in listing
+
+
+def test_the_layer_help_gives_each_method_its_own_default(capsys):
+    """Before: ``generate --help`` said --layer defaults to 2, while FastV and DART score layer 1."""
+    assert main(["generate", "--help"]) == 0
+    assert "1 for dart, fastv; 2 for the others" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize(

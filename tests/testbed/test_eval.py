@@ -77,8 +77,9 @@ class FakeRun:
         self.model = SimpleNamespace(config=SimpleNamespace(image_seq_length=576), dtype=torch.float32)
 
     @contextlib.contextmanager
-    def apply(self, model, method, budget, layer, strict):
+    def apply(self, model, method, budget, layer, strict, options=None):
         assert layer is None
+        self.options = options
         self.handle = SimpleNamespace(method=method, budget=budget, last=None)
         yield self.handle
         self.handle = None
@@ -141,3 +142,68 @@ def test_an_interrupted_eval_prints_what_finished_and_resumes_to_the_same_result
     assert {**a, "seconds": 0} == {**b, "seconds": 0}
     answers = [json.loads(line) for line in (out / "scenes-test.samples.jsonl").read_text().splitlines()[1:]]
     assert len(answers) == 7 * 5 and {"question", "answer", "reply", "correct", "kept"} <= set(answers[0])
+
+
+def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(monkeypatch, tmp_path, capsys):
+    """Before: the second run truncated the first one's answers and both exited 0."""
+    out = tmp_path / "shared"
+    first = FakeRun()
+    first.patch(monkeypatch)
+    answer, codes = first.answer, []
+
+    def answer_and_start_another(*args, **kwargs):
+        if not codes:
+            codes.append(cli.main([*EVAL, "--out", str(out)]))
+            codes.append(cli.main([*EVAL, "--out", str(out), "--resume"]))
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "answer", answer_and_start_another)
+    assert cli.main([*EVAL, "--out", str(out)]) == 0
+    assert codes == [2, 2]
+    assert capsys.readouterr().err.count("being written by another run right now") == 2
+    answers = (out / "scenes-test.samples.jsonl").read_text().splitlines()
+    assert len(answers) == 1 + 7 * 5 and all(json.loads(line) for line in answers)
+
+
+def test_resuming_with_fewer_budgets_keeps_every_recorded_cell_in_every_output(monkeypatch, tmp_path):
+    """Before: the json, md and png were rewritten with the new budgets only."""
+    out = tmp_path / "out"
+    FakeRun().patch(monkeypatch)
+    assert cli.main([*EVAL, "--out", str(out)]) == 0
+    before = json.loads((out / "scenes-test.json").read_text())
+    fewer = [*EVAL[: EVAL.index("--budgets")], "--budgets", "64", "--batch-size", "2"]
+    again = FakeRun()
+    again.patch(monkeypatch)
+    assert cli.main([*fewer, "--methods", "priortr", "--out", str(out), "--resume"]) == 0
+    assert again.asked == []  # nothing left to ask
+    after = json.loads((out / "scenes-test.json").read_text())
+    assert {**after, "seconds": 0} == {**before, "seconds": 0}
+    assert "| visionzip | " in (out / "scenes-test.md").read_text()
+
+
+def test_a_cell_with_some_questions_answered_is_marked_partial():
+    cells = [Cell("vanilla", None, correct=2, total=2, visual_tokens=1152), Cell("priortr", 64, 1, 1)]
+    cells[1].by_kind = {"colour": [1, 1]}
+    table = Report("scenes-test", "testbed", None, "float32", cells, questions=2).to_markdown()
+    assert "(2 questions)" in table
+    assert "| priortr | 100.0 (100) [1/2] |" in table  # before: "| priortr | 100.0 (100) |"
+    assert "| priortr [1/2] | 64 | 100.0 |" in table and "[n/N]: a partial cell" in table
+    whole = Report("scenes-test", "testbed", None, "float32", cells[:1], questions=2).to_markdown()
+    assert "[" not in whole  # negative control: a complete cell is not marked
+
+
+def test_eval_takes_a_config_that_sets_options(monkeypatch, tmp_path):
+    """Before: eval took only method, budget and layer from a config and sent the user to `generate`."""
+    from priortr.config_file import write_config
+
+    setting = {"method": "priortr+merge", "budget": 64, "options": {"adaptive": True}}
+    config = write_config(tmp_path / "merge.json", setting)
+    run = FakeRun()
+    run.patch(monkeypatch)
+    out = tmp_path / "out"
+    assert cli.main(["eval", "--limit", "3", "--config", str(config), "--out", str(out)]) == 0
+    assert run.options == {"adaptive": True}
+    header = json.loads((out / "scenes-test.samples.jsonl").read_text().splitlines()[0])
+    assert header["settings"]["options"] == {"adaptive": True}  # other options: another experiment
+    again = ["eval", "--limit", "3", "--out", str(out), "--methods", "priortr+merge", "--resume"]
+    assert cli.main(again) == 2

@@ -8,6 +8,7 @@ resumes from its record without measuring anything twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 
@@ -16,7 +17,7 @@ import torch
 
 from priortr import bench
 from priortr.journal import Journal
-from tests.helpers.tiny import tiny_llava
+from tests.helpers.tiny import llava_batch, tiny_llava
 
 
 def test_quartiles_of_five_runs_are_hand_computed():
@@ -176,8 +177,8 @@ def test_an_interrupted_bench_resumes_without_measuring_anything_twice(model, tm
     settings = {"model": "tiny"}
     path = tmp_path / "bench.jsonl"
     first = counting(monkeypatch, interrupt_after=10)
-    with pytest.raises(KeyboardInterrupt):
-        run(model, Journal(path, settings, resume=False))
+    with pytest.raises(KeyboardInterrupt), Journal(path, settings, resume=False) as journal:
+        run(model, journal)
     recorded = [json.loads(line) for line in path.read_text().splitlines()]
     assert len([r for r in recorded if r.get("kind") in ("prefill", "decode")]) == 10 == len(first)
     monkeypatch.undo()
@@ -187,7 +188,8 @@ def test_an_interrupted_bench_resumes_without_measuring_anything_twice(model, tm
     with pytest.raises(ValueError, match="other settings"):
         Journal(path, {"model": "other"}, resume=True)
     second = counting(monkeypatch)
-    resumed = run(model, Journal(path, settings, resume=True))
+    with Journal(path, settings, resume=True) as journal:
+        resumed = run(model, journal)
     assert not set(first) & set(second)
     assert len(first) + len(second) == 2 * 3 * (3 + 2)  # batch sizes x configurations x (repeats + decodes)
     assert shape(resumed) == shape(whole)
@@ -227,3 +229,45 @@ def test_a_record_of_a_run_that_did_nothing_is_started_afresh(tmp_path):
     with pytest.raises(ValueError, match="pass --resume"):
         Journal(path, {"model": "b"}, resume=False)
     assert Journal(path, {"model": "b"}, resume=True).records == [{"kind": "ceilings"}]
+
+
+def test_resuming_with_fewer_configurations_keeps_every_recorded_one(model, tmp_path, monkeypatch):
+    """Before: a resumed run reported only the configurations and repeats given this time."""
+    path = tmp_path / "bench.jsonl"
+    with Journal(path, {"model": "tiny"}, resume=False) as journal:
+        whole = run(model, journal)
+    calls = counting(monkeypatch)
+    with Journal(path, {"model": "tiny"}, resume=True) as journal:
+        resumed = bench.run_bench(
+            model, ["vanilla", "priortr"], [8], [1], layer=1, text_tokens=6, new_tokens=2, warmup=1,
+            repeats=1, decode_repeats=1, journal=journal,
+        )  # fmt: skip
+    assert calls == []
+    assert shape(resumed) == shape(whole)
+
+
+def test_front_ends_time_their_arms_interleaved_as_bench_does(model):
+    """``interleaved_lm_prefill`` (``calibrate``, ``demo``): every round over all arms, each round
+    starting one later (``rotated``), the warm-up rounds untimed, a spread per arm."""
+    entered: list[str] = []
+
+    def arm(name: str):
+        @contextlib.contextmanager
+        def enter():
+            entered.append(name)
+            yield
+
+        return enter
+
+    inputs = llava_batch(model, batch_size=1).kwargs()
+    spreads = bench.interleaved_lm_prefill(model, inputs, {n: arm(n) for n in "abc"}, warmup=1, repeats=5)
+    assert entered == [*"abc", *"bca", *"cab", *"abc", *"bca", *"cab"]
+    assert {name: spread.runs for name, spread in spreads.items()} == {"a": 5, "b": 5, "c": 5}
+    assert all(s.q25 is not None and s.minimum <= s.median <= s.maximum for s in spreads.values())
+
+
+def test_two_timings_are_resolved_only_beyond_either_spread():
+    base = bench.Spread.of([100.0, 104.0, 100.0])  # range 4
+    assert bench.resolved(base, bench.Spread.of([50.0, 50.0, 50.0]))
+    assert not bench.resolved(base, bench.Spread.of([101.0, 103.0, 101.0]))  # 1 ms apart, spread 4
+    assert not bench.resolved(base, bench.Spread.of([40.0, 140.0, 40.0]))  # 60 ms apart, spread 100

@@ -124,6 +124,15 @@ def test_a_row_without_every_benchmark_is_averaged_over_its_own(results: Path) -
     assert "| other | all | vanilla | 50.0 | - | - | - | 100.0* |" in markdown
 
 
+def test_a_group_entry_without_metrics_is_not_a_column(results: Path) -> None:
+    """Negative control for the refusals below: lmms-eval's group entries hold an alias and no metric."""
+    path = next((results / "priortr-64").rglob("*_results.json"))
+    data = json.loads(path.read_text())
+    data["results"]["mmbench"] = {"alias": "mmbench", "acc_stderr,none": "N/A"}
+    path.write_text(json.dumps(data))
+    assert report.build_table(report.load_runs([results])).tasks == ["gqa", "mme", "mytask"]
+
+
 def test_cli_writes_markdown_csv_and_plot(results: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "table"
     assert main(["report", str(results), "--out", str(out)]) == 0
@@ -143,6 +152,16 @@ def test_another_baseline_can_be_named(results: Path) -> None:
     )
 
 
+BAD_CELLS = {  # how each bad results file differs from a good one
+    "boolean score": lambda data: data["results"]["gqa"].update({"exact_match,none": True}),
+    "NaN score": lambda data: data["results"]["gqa"].update({"exact_match,none": float("nan")}),
+    "infinite score": lambda data: data["results"].update({"mytask": {"acc,none": float("inf")}}),
+    "text metric": lambda data: data["results"].update({"mytask": {"alias": "mytask", "acc,none": "N/A"}}),
+    "bare number": lambda data: data["results"].update({"gqa": 0.5}),
+    "NaN budget": lambda data: data["config"].update({"model_args": f"pretrained={MODEL},budget=nan"}),
+}
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -155,6 +174,16 @@ def test_another_baseline_can_be_named(results: Path) -> None:
         ),
         ("not json", r"not a readable lmms-eval results JSON"),
         ("no such folder", r"no such file or folder"),
+        # before: True counted as 100.0 (an Avg of 130 %)
+        ("boolean score", r"bad_results.json: task gqa, metric exact_match,none is True, not a finite"),
+        # before: NaN and infinity went into the table and the Avg
+        ("NaN score", r"task gqa, metric exact_match,none is nan, not a finite number"),
+        ("infinite score", r"task mytask, metric acc,none is inf, not a finite number"),
+        # before: the column of a task outside the paper's table vanished
+        ("text metric", r"task mytask, metric acc,none is 'N/A', not a finite number"),
+        # before: a traceback
+        ("bare number", r"results of task gqa is 0.5, not an object of metrics"),
+        ("NaN budget", r"budget='nan' in model_args is not a finite number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -172,6 +201,12 @@ def test_bad_input_is_one_line_and_exit_2(
         write_result(results / "rerun", {"gqa": {"exact_match,none": 0.55}})
     elif case == "not json":
         (results / "broken_results.json").write_text("{")
+    elif case in BAD_CELLS:
+        path = write_result(results / "bad", {"gqa": {"exact_match,none": 0.5}}, budget=32)
+        data = json.loads(path.read_text())
+        BAD_CELLS[case](data)
+        path.unlink()
+        (path.parent / "bad_results.json").write_text(json.dumps(data))
     else:
         paths = [tmp_path / "missing"]
     with pytest.raises(report.ReportError, match=message):

@@ -12,6 +12,8 @@ All pruning logic lives in the Python API, and models load through ``priortr.loa
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 from priortr.cli.checks import one_line
@@ -36,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check is not None:
             args.check(args)
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen below and not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader stopped early (`priortr report ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 128 + signal.SIGPIPE  # as the shell reports a writer stopped by its reader
     except (ValueError, OSError) as exc:
         if args.debug:
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,6 @@ from priortr.config_file import parse_budget
 from priortr.loading import DTYPES
 
 TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
-LAYER_HELP = "0-indexed decoder layer scored by one-layer methods (default 2)"
 CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)"
 
@@ -50,14 +50,20 @@ def budget(text: str) -> int | float:
 
 
 def parse_option(text: str) -> tuple[str, Any]:
-    """``name=value`` with a Python literal value (``neighbours=8``, ``adaptive=True``), or a plain string."""
+    """``name=value`` with a Python or JSON literal value (``neighbours=8``, ``adaptive=True``,
+    ``adaptive=true``), or a plain string."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"an option is name=value, got {text!r}")
+    value = value.strip()
     try:
-        return name.strip(), ast.literal_eval(value.strip())
+        return name.strip(), ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        return name.strip(), value.strip()
+        pass
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
 
 
 def parse_stage(text: str) -> tuple[int, int | float]:
@@ -89,9 +95,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser, None, "default: the checkpoint's")
 
 
+def layer_help() -> str:
+    """``--layer``'s help: the layer each method scores when none is given (from the method catalog)."""
+    from priortr.cli.methods import default_layers
+
+    default = f"the method's own, {default_layers()}"
+    return f"0-indexed decoder layer scored by one-layer methods (default: {default})"
+
+
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """``--layer``, ``--stages`` and ``--option``: where and how a method prunes."""
-    parser.add_argument("--layer", type=nonnegative_int, help=LAYER_HELP)
+    parser.add_argument("--layer", type=nonnegative_int, help=layer_help())
     parser.add_argument(
         "--stages",
         type=parse_stage,
@@ -109,7 +123,7 @@ def pruning_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "budget": args.budget,
         "layer": args.layer,
         "stages": args.stages,
-        "options": dict(args.option or []),
+        "options": dict(args.option) if args.option else None,  # None: a --config file may set them
     }
     return {**arguments, "config": args.config} if args.config else arguments
 

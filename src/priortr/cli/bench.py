@@ -26,7 +26,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--methods", nargs="+", help="default: vanilla and every method")
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[192, 128, 64])
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--layer", type=nonnegative_int, help=arguments.LAYER_HELP)
+    parser.add_argument("--layer", type=nonnegative_int, help=arguments.layer_help())
     parser.add_argument(
         "--option", type=arguments.parse_option, action="append", help="a method's knob, name=value"
     )
@@ -63,6 +63,10 @@ def check(args: argparse.Namespace) -> None:
     import priortr
     from priortr import bench
 
+    if args.config:
+        setting = arguments.config_setting(args, "bench")
+        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer, args.option = setting["layer"], list((setting["options"] or {}).items())
     checks.distinct("--methods", args.methods)
     checks.distinct("--budgets", args.budgets)
     checks.distinct("--batch-sizes", args.batch_sizes)
@@ -91,13 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
     import priortr
     from priortr import bench
-    from priortr.journal import Journal, finished_so_far
+    from priortr.journal import Journal, finished_so_far, write_whole
     from priortr.loading import torch_dtype
 
-    if args.config:
-        setting = arguments.config_setting(args, "bench")
-        args.methods, args.budgets = [bench.VANILLA, setting["method"]], [setting["budget"]]
-        args.layer, args.option = setting["layer"], list(setting["options"].items())
     out = Path(args.out)
     settings = {
         key: getattr(args, key)
@@ -105,38 +105,37 @@ def run(args: argparse.Namespace) -> int:
     }
     settings.update(device=args.device, dtype=args.dtype, attn=args.attn)
     settings["option"] = [list(option) for option in args.option or []]
-    journal = Journal(out / "bench.jsonl", settings, args.resume)
-    model = bench.build_model(
-        args.model,
-        torch.device(args.device),
-        torch_dtype(args.dtype),
-        args.layers,
-        args.vision_layers,
-        args.attn,
-    )
-    runner = bench.Bench(
-        model,
-        args.methods or [bench.VANILLA, *priortr.available_methods()],
-        args.budgets,
-        args.batch_sizes,
-        layer=args.layer,
-        options=dict(args.option or []),
-        text_tokens=args.text_tokens,
-        new_tokens=args.new_tokens,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        decode_repeats=args.decode_repeats,
-        meta={"model": args.model, "command": "priortr " + " ".join(args.argv)},
-        journal=journal,
-    )
-    with finished_so_far(lambda: bench.format_markdown(runner.report()), journal.path):
-        runner.run(lambda steps: tqdm(list(steps), desc="bench", unit="run", file=sys.stderr))
-    journal.close()
-    report = runner.report()
-    report.meta["peak_rss_bytes"] = bench.peak_rss_bytes()
-    document = report.to_json()
-    (out / "bench.json").write_text(json.dumps(document, indent=2))
-    (out / "bench.md").write_text(bench.format_markdown(report))
-    bench.plot(report, out / "bench.png")
+    with Journal(out / "bench.jsonl", settings, args.resume) as journal:
+        model = bench.build_model(
+            args.model,
+            torch.device(args.device),
+            torch_dtype(args.dtype),
+            args.layers,
+            args.vision_layers,
+            args.attn,
+        )
+        runner = bench.Bench(
+            model,
+            args.methods or [bench.VANILLA, *priortr.available_methods()],
+            args.budgets,
+            args.batch_sizes,
+            layer=args.layer,
+            options=dict(args.option or []),
+            text_tokens=args.text_tokens,
+            new_tokens=args.new_tokens,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            decode_repeats=args.decode_repeats,
+            meta={"model": args.model, "command": "priortr " + " ".join(args.argv)},
+            journal=journal,
+        )
+        with finished_so_far(lambda: bench.format_markdown(runner.report()), journal.path):
+            runner.run(lambda steps: tqdm(list(steps), desc="bench", unit="run", file=sys.stderr))
+        report = runner.report()
+        report.meta["peak_rss_bytes"] = bench.peak_rss_bytes()
+        document = report.to_json()
+        write_whole(out / "bench.json", lambda path: path.write_text(json.dumps(document, indent=2)))
+        write_whole(out / "bench.md", lambda path: path.write_text(bench.format_markdown(report)))
+        write_whole(out / "bench.png", lambda path: bench.plot(report, path))
     print(json.dumps(document) if args.json else bench.format_markdown(report))
     return 0

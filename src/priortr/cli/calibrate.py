@@ -47,7 +47,10 @@ def add_parser(commands: Any) -> None:
         "--warmup", type=nonnegative_int, default=1, help="untimed prefills before timing each configuration"
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed prefills per configuration (median)"
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="timed rounds over the unpruned model and every configuration (quartiles from 5)",
     )
     arguments.add_device_arguments(parser, None, "default: the checkpoint's")
     parser.add_argument("--out", default="calibration", help="folder for results, configs and the cache")
@@ -57,7 +60,8 @@ def add_parser(commands: Any) -> None:
 def check(args: argparse.Namespace) -> None:
     """The grid, the device, the output folder, every prompt (a testbed split resolved here, so the
     library receives plain prompts) and the model, before the model loads."""
-    from priortr import calibrate
+    from priortr import calibrate, loading
+    from priortr.prompts import check_prompt
 
     checks.distinct("--methods", args.methods)
     checks.distinct("--layers", args.layers)
@@ -75,6 +79,12 @@ def check(args: argparse.Namespace) -> None:
     else:
         args.prompts = calibrate.load_prompts(args.data, args.limit)
     args.source = checks.model_source(args.model)
+    args.processor = loading.load_processor(args.source)  # the prompts are checked against it now
+    for prompt in args.prompts:
+        try:
+            check_prompt(args.processor, prompt.text)
+        except ValueError as exc:
+            raise ValueError(f"--data prompt {prompt.id}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     recommends per method the fastest configuration reaching --target and writes it as a config file."""
     from priortr import calibrate, loading
 
-    processor, model = loading.load(args.source, args.dtype, args.device)
+    processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
     result = calibrate.calibrate(
         model,
         processor,

@@ -96,19 +96,30 @@ def read_image(text: str) -> Any:
             return image.convert("RGB")
     except UnidentifiedImageError:
         raise ValueError(f"cannot read image {text!r}: not an image file PIL can open") from None
+    except Image.DecompressionBombError as exc:
+        raise ValueError(f"cannot read image {text!r}: {exc} (PIL's limit); resize it") from None
     except OSError as exc:
         raise ValueError(f"cannot read image {text!r}: {exc.strerror or exc}") from None
 
 
 def one_image_model(args: argparse.Namespace) -> nn.Module:
     """Checks shared by generate and viz; returns the model's skeleton, sets ``args.source`` (the
-    checkpoint directory or hub id) and ``args.loaded_image``."""
+    checkpoint directory or hub id), ``args.loaded_image`` and ``args.processor`` (loaded to check the
+    prompt against its image placeholder before the weights load)."""
+    from priortr.prompts import check_prompt
+
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; ask a question about the image")
     device(args)
     args.loaded_image = read_image(args.image)
     args.source = model_source(args.model)
-    return skeleton(loading.model_config(args.source))
+    model = skeleton(loading.model_config(args.source))
+    args.processor = loading.load_processor(args.source)
+    try:
+        check_prompt(args.processor, args.prompt)
+    except ValueError as exc:
+        raise ValueError(f"--prompt: {exc}") from None
+    return model
 
 
 # -- output paths -------------------------------------------------------------------------------------

@@ -71,14 +71,27 @@ def run(args: argparse.Namespace) -> int:
         f"K = {budget} of {model.config.image_seq_length} visual tokens ({source})"
     )
     rows = demo.compare(model, processor, samples, budget, layer)
-    base = rows[0].lm_prefill_ms
-    print(f"  {'method':<8} {'right':>7} {'agrees':>7} {'LM prefill':>11} {'speed-up':>9}")
+    print(f"  {'method':<8} {'right':>7} {'agrees':>7} {'speed-up':>10} {'FLOPs':>6}  LM prefill ms")
     for row in rows:
         print(
-            f"  {row.method:<8} {row.correct:>3}/{row.total:<3} {row.agreement:>7.0%} "
-            f"{row.lm_prefill_ms:>8.1f} ms {base / row.lm_prefill_ms:>8.2f}x"
+            f"  {row.method:<8} {row.correct:>3}/{row.total:<3} {row.agreement:>7.0%} {speedup(row):>10} "
+            f"{row.flops_share:>6.3f}  {row.lm_prefill}"
         )
+    for row in rows:
+        if row.timing is not None and not row.timing.resolved:
+            print(
+                f"warning: {row.method}: the LM prefill medians differ by less than the spread of the "
+                f"timings, so its speed-up {row.timing.speedup:.2f}x is noise here (another process?); "
+                f"its FLOPs share, {row.flops_share:.3f}, is what pruning saves"
+            )
     print(f"maps for scene {sample.image_id}: {sample.question} (reference answer: {sample.answer})")
     print(demo.figure(model, processor, sample, sample.image(), budget, layer, Path(args.out)))
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def speedup(row: Any) -> str:
+    """A method's speed-up over the unpruned model, ``(!)`` where the timings do not resolve it."""
+    if row.timing is None:
+        return "-"
+    return f"{row.timing.speedup:.2f}x" + ("" if row.timing.resolved else " (!)")

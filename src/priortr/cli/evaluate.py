@@ -45,6 +45,12 @@ def check(args: argparse.Namespace) -> None:
     from priortr import loading
     from priortr.testbed.evaluate import layer_for
 
+    args.options = None
+    if args.config:
+        setting = arguments.config_setting(args, "eval")
+        args.methods, args.budgets = [testbed.VANILLA, setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
+        args.options = setting["options"]
     checks.distinct("--methods", args.methods)
     checks.distinct("--budgets", args.budgets)
     checks.device(args)
@@ -54,7 +60,12 @@ def check(args: argparse.Namespace) -> None:
     for method in args.methods:
         for budget in [] if method == testbed.VANILLA else args.budgets:
             checks.check_pruning(
-                model, method=method, budget=budget, layer=layer_for(method, args.layer), strict=True
+                model,
+                method=method,
+                budget=budget,
+                layer=layer_for(method, args.layer),
+                options=args.options,
+                strict=True,
             )
 
 
@@ -66,24 +77,30 @@ def run(args: argparse.Namespace) -> int:
     from priortr.journal import Journal, finished_so_far
     from priortr.testbed import data, evaluate
 
-    if args.config:
-        setting = arguments.config_setting(args, "eval", ("method", "budget", "layer"))
-        args.methods, args.budgets = [testbed.VANILLA, setting["method"]], [setting["budget"]]
-        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     samples = data.load_split(args.split, args.limit)
     settings = {"split": args.split, "limit": args.limit, "model": args.model, "layer": args.layer}
     settings["dtype"] = args.dtype
-    journal = Journal(Path(args.out) / f"{args.split}.samples.jsonl", settings, args.resume)
-    processor, model = loading.load(args.source, args.dtype, args.device)
-    evaluation = evaluate.Evaluation(
-        model, processor, samples, args.split, args.methods, args.budgets, args.layer, args.model, journal
-    )
-    with finished_so_far(lambda: evaluation.report().to_markdown(), journal.path):
-        evaluation.run(args.batch_size)
-    journal.close()
-    report = evaluation.report()
-    for path in report.write(args.out, args.split):
-        log.info("wrote %s", path)
+    if args.options:  # only when set, so that records made before options were recorded still resume
+        settings["options"] = args.options
+    with Journal(Path(args.out) / f"{args.split}.samples.jsonl", settings, args.resume) as journal:
+        processor, model = loading.load(args.source, args.dtype, args.device)
+        evaluation = evaluate.Evaluation(
+            model,
+            processor,
+            samples,
+            args.split,
+            args.methods,
+            args.budgets,
+            args.layer,
+            args.model,
+            journal,
+            args.options,
+        )
+        with finished_so_far(lambda: evaluation.report().to_markdown(), journal.path):
+            evaluation.run(args.batch_size)
+        report = evaluation.report()
+        for path in report.write(args.out, args.split):
+            log.info("wrote %s", path)
     print(report.to_markdown())
     print(f"wrote {args.out}/{args.split}.{{samples.jsonl,json,md,png}}")
     return 0

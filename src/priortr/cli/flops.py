@@ -35,6 +35,18 @@ def add_parser(commands: Any) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
+    if args.config:
+        from priortr.flops import METHODS
+
+        setting = arguments.config_setting(args, "flops")
+        if setting["options"]:
+            raise ValueError(
+                f"priortr flops counts {', '.join(METHODS)}, which take no options, and {args.config!r} "
+                f"sets options {setting['options']!r} for {setting['method']}; measure that setting "
+                f"with `priortr bench --config {args.config}`"
+            )
+        args.methods, args.budgets = [setting["method"]], [setting["budget"]]
+        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     checks.distinct("--budgets", args.budgets)
     checks.distinct("--methods", args.methods)
 
@@ -43,10 +55,6 @@ def run(args: argparse.Namespace) -> int:
     """Analytic FLOPs (the paper's protocol, Appendix "Efficiency Analysis") of vanilla and each method."""
     from priortr import flops
 
-    if args.config:
-        setting = arguments.config_setting(args, "flops", ("method", "budget", "layer"))
-        args.methods, args.budgets = [setting["method"]], [setting["budget"]]
-        args.layer = args.layer if setting["layer"] is None else setting["layer"]
     report = flops.flops_report(
         args.model,
         args.budgets,

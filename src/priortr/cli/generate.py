@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from priortr.prompts import chat_inputs
 
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
-    processor, model = loading.load(args.source, args.dtype, args.device)
+    processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
     inputs = chat_inputs(processor, args.loaded_image, args.prompt, model)
     pruning = (
         contextlib.nullcontext()

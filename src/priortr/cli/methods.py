@@ -6,6 +6,7 @@ is listed instead."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
@@ -27,25 +28,53 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """List every method: the name ``--method`` takes, where it prunes, its knobs and its source paper."""
+    """List every method: the name ``--method`` takes, where it prunes (and the layer it scores by
+    default), its knobs and its source paper."""
+    if args.json:  # knobs as JSON values, the default layer as a field of its own
+        rows = [
+            {
+                "name": entry["name"],
+                "where": WHERE[entry["where"]],
+                "default_layer": entry["layer"],
+                "knobs": {knob: ast.literal_eval(default) for knob, default in entry["knobs"].items()},
+                "summary": entry["summary"],
+                "source": entry["source"],
+            }
+            for entry in entries()
+        ]
+        print(json.dumps(rows))
+        return 0
     rows = [
         {
             "name": entry["name"],
-            "where": WHERE[entry["where"]],
+            "where": WHERE[entry["where"]] + _default(entry["layer"]),
             "knobs": ", ".join(f"{knob}={default}" for knob, default in entry["knobs"].items()),
             "source": entry["source"],
         }
         for entry in entries()
     ]
-    if args.json:
-        print(json.dumps(rows))
-        return 0
     widths = {key: max(len(key), *(len(row[key]) for row in rows)) for key in ("name", "where")}
     for row in rows:
         print(f"{row['name']:<{widths['name']}}  {row['where']:<{widths['where']}}  {row['source']}")
         if row["knobs"]:
             print(f"{'':<{widths['name']}}  options: {row['knobs']}")
     return 0
+
+
+def _default(layer: int | None) -> str:
+    return "" if layer is None else f" (default {layer})"
+
+
+def default_layers() -> str:
+    """The layer each one-layer method scores by default, for the ``--layer`` help: ``1 for dart,
+    fastv; 2 for the others``."""
+    layers: dict[int, list[str]] = {}
+    for entry in entries():
+        if entry["layer"] is not None:
+            layers.setdefault(entry["layer"], []).append(entry["name"])
+    usual = max(layers, key=lambda layer: len(layers[layer]))
+    special = [f"{layer} for {', '.join(names)}" for layer, names in sorted(layers.items()) if layer != usual]
+    return "; ".join([*special, f"{usual} for the others"])
 
 
 def entries() -> list[dict[str, Any]]:

@@ -39,6 +39,10 @@ def add_parser(commands: Any) -> None:
 def check(args: argparse.Namespace) -> None:
     import priortr
 
+    if args.config:
+        setting = arguments.config_setting(args, "viz", ("method", "budget", "layer"))
+        args.method, args.budgets = setting["method"], [setting["budget"]]
+        args.layers = args.layers if setting["layer"] is None else [setting["layer"]]
     checks.distinct("--layers", args.layers)
     checks.distinct("--budgets", args.budgets)
     args.out = checks.output_file(args.out)
@@ -67,11 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
-    if args.config:
-        setting = arguments.config_setting(args, "viz", ("method", "budget", "layer"))
-        args.method, args.budgets = setting["method"], [setting["budget"]]
-        args.layers = args.layers if setting["layer"] is None else [setting["layer"]]
-    processor, model = loading.load(args.source, args.dtype, args.device)
+    processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
     )

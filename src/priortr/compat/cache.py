@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer
 
 from priortr.compat.calls import CACHE_NAMES
 from priortr.compat.release import refuse
@@ -170,6 +170,11 @@ def is_guarded(cache: Any) -> bool:
 def claim(cache: Any) -> None:
     """Let the call about to run continue the pruned ``cache`` (its first layer's next update)."""
     setattr(first_layer(cache), CLAIMED, True)
+
+
+def new(model: Any) -> Any:
+    """An empty dynamic cache for ``model``'s language model."""
+    return DynamicCache(config=model.config.get_text_config())
 
 
 def byte_size(cache: Any) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from priortr.compat.release import check_release, refuse
 
@@ -132,6 +133,20 @@ class ModelCall:
         """What a forward pre-hook returns to run the model on these arguments."""
         return (), self.arguments
 
+    def split(self, end: int, cache: Any) -> tuple[ModelCall, ModelCall]:
+        """This call cut before its ``end``-th token, both parts on ``cache``: the first part with the
+        images, and the rest, its tokens and token-aligned arguments with the mask of the whole call
+        (the images stay with the first part)."""
+        first, rest = dict(self.arguments), {}
+        for name in (self._token_key, "attention_mask", *TOKEN_ALIGNED):
+            value = self.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                first[name] = value[..., :end]
+                rest[name] = value if name == "attention_mask" else value[..., end:]
+        first[self._cache] = rest[self._cache] = cache
+        first["use_cache"] = rest["use_cache"] = True
+        return ModelCall(first, self._cache), ModelCall(rest, self._cache)
+
 
 @dataclass(frozen=True)
 class LayerContract:
@@ -196,6 +211,20 @@ class LayerCall:
 
     def hook_result(self) -> tuple[tuple, dict]:
         return self.args, self.kwargs
+
+
+def join_outputs(first: ModelOutput, second: ModelOutput, keep_cache: bool) -> ModelOutput:
+    """``first``, a multimodal model's output, extended by ``second``, the output of the call that
+    continued its cache: the hidden states of both, one after the other, and the cache (None when the
+    caller asked for none)."""
+    if not isinstance(first, ModelOutput) or not isinstance(second, ModelOutput):
+        refuse(f"the multimodal model returned a {type(first).__name__}, not a ModelOutput")
+    first["last_hidden_state"] = torch.cat([first.last_hidden_state, second.last_hidden_state], dim=1)
+    if not keep_cache:
+        for name in CACHE_NAMES:
+            if name in first:
+                first[name] = None
+    return first
 
 
 def resolve(multimodal: nn.Module, layers: nn.ModuleList) -> tuple[ModelContract, LayerContract]:

@@ -6,12 +6,19 @@ nothing else runs. A prefill that brings images is planned on the host (``plan.m
 are hooks armed, on the decoder layers a stage needs and the projections of the layers it scores, and
 they are disarmed as soon as the model returns. Decode steps therefore run no per-layer hook at all.
 Armed hooks serve only the thread whose prefill armed them, so calls from other threads pass through.
+
+A call may carry a continuation after its prompt (``continuation``): where the prompt ends is known per
+thread, set by ``PruningHandle.prompt_ends`` and, for the length of a ``generate()`` call, by generate
+itself (its input is the prompt), so that generate() without a cache, assisted decoding and answers
+scored in one forward pass run as cached, pruned decoding runs them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,11 +29,13 @@ from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.continuation import Continuation, split_call
 from priortr.engine.evidence import VISION_NEEDS
 from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.report import PrefillRecord, PruneResult
+from priortr.host import to_host
 
 
 class PruningEngine:
@@ -48,10 +57,12 @@ class PruningEngine:
         self.explicit_mask = compat.masks.explicit_mask_builder(compat.masks.implementation(model))
         self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
+        self._prompt_ends: dict[int, int] = {}  # per thread: the columns of a call's prompt
         self._record: PrefillRecord | None = None
         self._last: PruneResult | None = None
         self._permanent: list[RemovableHandle] = []
         self._loss: Callable | None = None
+        self._generate: Callable | None = None
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise TypeError(
@@ -79,6 +90,11 @@ class PruningEngine:
             self.model.loss_function = self._loss_on_pruned_logits
         if self.vision is not None:
             self._permanent += vision_hooks(self.vision, self.config.method.needs, self._on_vision_output)
+        if "generate" not in vars(self.model) and hasattr(self.model, "generate"):
+            self._generate = self.model.generate
+            self.model.generate = functools.wraps(self._generate)(
+                functools.partial(self._generate_from_prompt)  # a partial can take generate()'s name, doc
+            )
 
     def detach(self) -> None:
         for thread in list(self._in_flight):
@@ -90,6 +106,34 @@ class PruningEngine:
         if self._loss is not None:
             del self.model._loss_function  # the model's own loss_function again
             self._loss = None
+        if self._generate is not None:
+            del self.model.generate  # the class's generate again
+            self._generate = None
+
+    @contextlib.contextmanager
+    def prompt_ends(self, at: int) -> Iterator[None]:
+        """Within the block, this thread's calls hold a prompt in their first ``at`` columns and a
+        continuation after it (``continuation``)."""
+        thread = threading.get_ident()
+        outer = self._prompt_ends.get(thread)
+        self._prompt_ends[thread] = at
+        try:
+            yield
+        finally:
+            if outer is None:
+                del self._prompt_ends[thread]
+            else:
+                self._prompt_ends[thread] = outer
+
+    def _generate_from_prompt(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's generate(), whose input is the prompt: the calls it makes carry a continuation
+        after it when it runs without a cache or verifies an assistant's candidates."""
+        prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        stated = threading.get_ident() in self._prompt_ends  # the caller's own prompt_ends comes first
+        if stated or not isinstance(prompt, torch.Tensor) or prompt.ndim != 2:
+            return self._generate(*args, **kwargs)
+        with self.prompt_ends(prompt.shape[1]):
+            return self._generate(*args, **kwargs)
 
     def _loss_on_pruned_logits(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         """The model's loss, refused with a clear message when pruning shortened the logits."""
@@ -130,6 +174,16 @@ class PruningEngine:
             return None  # images on a cache this engine did not prune: no prefill to plan
         if call.has_raw_pixels:  # the tower runs inside this call; generate() runs it before
             self._vision_captures.pop(thread, None)
+        whole, continuation = call, None
+        end = self._prompt_ends.get(thread)
+        if end is not None and end < call.new_tokens and call.input_ids is not None:
+            (rest,) = to_host(call.input_ids[:, end:])
+            if self.adapter.visual_items(self.model.config, rest):
+                raise ValueError(
+                    f"the call has image tokens after column {end}, where prompt_ends says its prompt "
+                    "ends: the prompt holds every image, the continuation after it is text"
+                )
+            call, continuation = split_call(call, end, self.model)
         plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
         if plan is None:
             return None
@@ -140,16 +194,17 @@ class PruningEngine:
         prefill = Prefill(plan, self.config, self.adapter, vision, self.explicit_mask, norm)
         self._last = None
         self._record = prefill.record
-        if plan.stages:
-            self._in_flight[thread] = self._arm(prefill, thread)
-        else:
+        if not plan.stages:  # nothing to prune: the call runs whole
             prefill.finish()
+            return whole.hook_result()
+        self._in_flight[thread] = self._arm(prefill, thread, continuation)
         return call.hook_result()
 
-    def _arm(self, prefill: Prefill, thread: int) -> list[RemovableHandle]:
+    def _arm(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> list[RemovableHandle]:
         """Hooks for this prefill only, serving only ``thread``: a pre-hook on every layer from the first
-        stage on, the q/k projections of each scored layer (attention methods), and the first layer's
-        input (methods that read the input embeddings)."""
+        stage on, the q/k projections of each scored layer (attention methods), the first layer's
+        input (methods that read the input embeddings), and the model's return (which runs the
+        ``continuation`` of the call, if it has one)."""
         stages = prefill.plan.stages
         armed = []
         if prefill.input_positions is not None:
@@ -172,19 +227,21 @@ class PruningEngine:
                         _capture(prefill, "k", thread)
                     ),
                 ]
-        armed.append(
-            self.multimodal.register_forward_hook(self._on_model_return(prefill, thread), always_call=True)
-        )
+        returned = self._on_model_return(prefill, thread, continuation)
+        armed.append(self.multimodal.register_forward_hook(returned, always_call=True))
         return armed
 
-    def _on_model_return(self, prefill: Prefill, thread: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def _on_model_return(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if threading.get_ident() != thread:
-                return
+                return None
             _disarm(self._in_flight.pop(thread, []))
             self._vision_captures.pop(thread, None)
             if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
                 compat.cache.guard(prefill.cache)
+            if continuation is None or output is None:  # None: the prefill raised
+                return None
+            return continuation.run(module, output)
 
         return hook
 

@@ -17,8 +17,9 @@ FILE = Path(__file__).with_name("catalog.json")
 
 
 def entries() -> list[dict[str, Any]]:
-    """Per registered method (sorted by name): where it prunes, its default scored layer, its summary
-    and source, and its knobs with their defaults as Python literals."""
+    """Per registered method (sorted by name): where it prunes, the layer ``apply`` scores when none is
+    named (None: it takes no layer), its summary and source, and its knobs with their defaults as
+    Python literals."""
     rows = []
     for name in available_methods():
         info = get_method(name)
@@ -27,7 +28,7 @@ def entries() -> list[dict[str, Any]]:
             {
                 "name": name,
                 "where": info.where,
-                "layer": info.layer,
+                "layer": info.default_layer,
                 "summary": info.summary,
                 "source": info.source,
                 "knobs": knobs,

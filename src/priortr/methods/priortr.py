@@ -42,7 +42,7 @@ def _rank_plans(inputs: StageInputs, recycle_ratio: float, tokens_per_cluster: i
 @register_method(
     "priortr+merge",
     where="layer",
-    needs=("attention",),
+    needs=("attention", "text_rows"),  # text_rows: the attention rank of adaptive=True
     summary="PriorTR ranking; the best pruned tokens clustered (K-means) and merged",
     source="PriorTR, Appendix 'PriorTR+Merging Variant'",
 )

@@ -4,10 +4,11 @@ under PriorTR, at the setting the testbed's own calibration chose.
 The setting comes from ``calibrated.json`` beside this module: ``priortr calibrate`` run on the training
 scenes (never on test questions, docs/calibration.md) recommended it. Per method the demo reports how
 many of ``DEMO_SIZE`` held-out questions it answers right, how often its answer agrees with the full
-model's (the label-free signal calibration uses) and its measured language-model prefill time; then it
-draws Q, P, S and the kept tokens of both methods for one question (paper, section 4). Offline by
-construction: the scenes are rendered by the seeded generator, the model is assembled from installed
-packages (``assemble.checkpoint``).
+model's (the label-free signal calibration uses), its measured language-model prefill time (every
+method timed in the same interleaved rounds, with its spread) and its FLOPs share; then it draws Q, P,
+S and the kept tokens of both methods for one question (paper, section 4). Offline by construction:
+the scenes are rendered by the seeded generator, the model is assembled from installed packages
+(``assemble.checkpoint``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from priortr import loading, viz
 from priortr.adapters import adapter_for
-from priortr.calibrate import Calibrator, Prompt, Setting
+from priortr.bench import Spread
+from priortr.calibrate import Calibrator, Prompt, Setting, Timing
 from priortr.config_file import read_config
 from priortr.testbed import assemble, scenes
 from priortr.testbed.data import Sample, scene_samples
@@ -35,13 +37,15 @@ METHODS = ("fastv", "priortr")
 
 @dataclass(frozen=True)
 class Row:
-    """One method on the demo set."""
+    """One method on the demo set; ``timing`` None for the unpruned model."""
 
     method: str
     correct: int
     total: int
     agreement: float
-    lm_prefill_ms: float
+    lm_prefill: Spread
+    timing: Timing | None
+    flops_share: float
     mean_kept: float
 
 
@@ -76,20 +80,40 @@ def demo_samples() -> list[Sample]:
     ]
 
 
-def compare(model, processor, samples: list[Sample], budget: int, layer: int, methods=METHODS) -> list[Row]:
-    """Vanilla and each method at ``layer``/``budget`` on ``samples`` (one batch; timings of the first)."""
+def compare(
+    model, processor, samples: list[Sample], budget: int, layer: int, methods=METHODS, repeats: int = 3
+) -> list[Row]:
+    """Vanilla and each method at ``layer``/``budget`` on ``samples`` (one batch); the LM prefill of the
+    first sample, every method timed in the same ``repeats`` interleaved rounds (``Calibrator.time``)."""
     prompts = [Prompt(s.image_id, s.question, s.image) for s in samples]
-    calibrator = Calibrator(model, processor, prompts, tokens=4, batch_size=len(prompts), warmup=1, repeats=3)
+    calibrator = Calibrator(
+        model, processor, prompts, tokens=4, batch_size=len(prompts), warmup=1, repeats=repeats
+    )
     reference = calibrator.reference()
+    settings = [Setting(method, layer, budget) for method in methods]
+    measured = [calibrator.measure(setting, reference) for setting in settings]
+    timings = calibrator.time(settings)
     n_visual = float(model.config.image_seq_length)
 
     def right(replies: list[str]) -> int:
         return sum(is_correct(sample, reply) for sample, reply in zip(samples, replies, strict=True))
 
-    rows = [Row("vanilla", right(reference.replies), len(samples), 1.0, reference.lm_prefill_ms, n_visual)]
-    for method in methods:
-        m = calibrator.measure(Setting(method, layer, budget), reference)
-        rows.append(Row(method, right(m.replies), len(samples), m.agreement, m.lm_prefill_ms, m.mean_kept))
+    unpruned = timings[settings[0].key].unpruned
+    rows = [Row("vanilla", right(reference.replies), len(samples), 1.0, unpruned, None, 1.0, n_visual)]
+    for setting, m in zip(settings, measured, strict=True):
+        timing = timings[setting.key]
+        rows.append(
+            Row(
+                method=m.method,
+                correct=right(m.replies),
+                total=len(samples),
+                agreement=m.agreement,
+                lm_prefill=timing.lm_prefill,
+                timing=timing,
+                flops_share=m.flops_share,
+                mean_kept=m.mean_kept,
+            )
+        )
     return rows
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
-from priortr.journal import Journal
+from priortr.journal import Journal, write_whole
 from priortr.methods import get_method
 from priortr.prompts import prompt_text
 from priortr.testbed import DEFAULT_BUDGETS, DEFAULT_METHODS, VANILLA
@@ -66,6 +66,16 @@ class Report:
     dtype: str
     cells: list[Cell]
     seconds: float = 0.0
+    questions: int | None = None  # the split's size; None: the largest cell's
+
+    @property
+    def size(self) -> int:
+        """Questions per complete cell."""
+        return self.questions if self.questions is not None else max((c.total for c in self.cells), default=0)
+
+    def partial(self, cell: Cell) -> bool:
+        """The cell has answers to only some of the questions (an interrupted run)."""
+        return cell.total < self.size
 
     @property
     def vanilla(self) -> Cell | None:
@@ -89,14 +99,14 @@ class Report:
             "layer": self.layer,
             "dtype": self.dtype,
             "seconds": round(self.seconds, 1),
+            "questions": self.size,
             "cells": cells,
         }
 
     def to_markdown(self) -> str:
         budgets = sorted({c.budget for c in self.cells if c.budget is not None}, reverse=True) or [None]
-        n = self.cells[0].total if self.cells else 0
         lines = [
-            f"Split `{self.split}` ({n} questions), model `{self.model}`, {self._layer_text()}, "
+            f"Split `{self.split}` ({self.size} questions), model `{self.model}`, {self._layer_text()}, "
             f"{self.dtype}. Accuracy % (retention % of vanilla).",
             "",
             "| method | " + " | ".join(f"K = {b or 'all'}" for b in budgets) + " |",
@@ -106,7 +116,7 @@ class Report:
         if base is not None:
             lines.append(
                 f"| vanilla (all {base.visual_tokens // max(base.total, 1)}) | "
-                + " | ".join(f"{100 * base.accuracy:.1f}" for _ in budgets)
+                + " | ".join(f"{100 * base.accuracy:.1f}{self._mark(base)}" for _ in budgets)
                 + " |"
             )
         for method in dict.fromkeys(c.method for c in self.cells if c.method != VANILLA):
@@ -123,11 +133,16 @@ class Report:
         for cell in self.cells:
             values = [cell.by_kind.get(k, [0, 0]) for k in kinds]
             lines.append(
-                f"| {cell.method} | {cell.budget or 'all'} | "
+                f"| {cell.method}{self._mark(cell)} | {cell.budget or 'all'} | "
                 + " | ".join(f"{100 * c / t:.1f}" if t else "-" for c, t in values)
                 + " |"
             )
+        if any(map(self.partial, self.cells)):
+            lines += ["", "[n/N]: a partial cell, n of the N questions answered so far (--resume finishes)"]
         return "\n".join(lines) + "\n"
+
+    def _mark(self, cell: Cell) -> str:
+        return f" [{cell.total}/{self.size}]" if self.partial(cell) else ""
 
     def _layer_text(self) -> str:
         return "each method's default layer" if self.layer is None else f"scored layer {self.layer}"
@@ -136,7 +151,8 @@ class Report:
         if cell is None:
             return "-"
         retention = self.retention(cell)
-        return f"{100 * cell.accuracy:.1f}" + (f" ({100 * retention:.0f})" if retention is not None else "")
+        text = f"{100 * cell.accuracy:.1f}" + (f" ({100 * retention:.0f})" if retention is not None else "")
+        return text + self._mark(cell)
 
     def plot(self, path: str | Path) -> Path:
         """Accuracy retention (% of vanilla) against the budget, a line per method."""
@@ -169,13 +185,15 @@ class Report:
         return path
 
     def write(self, directory: str | Path, stem: str) -> list[Path]:
-        """``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` in ``directory``."""
+        """``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` in ``directory``, each replaced whole."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
-        json_path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        md_path.write_text(self.to_markdown())
-        return [json_path, md_path, self.plot(directory / f"{stem}.png")]
+        document = json.dumps(self.to_dict(), indent=2) + "\n"
+        return [
+            write_whole(directory / f"{stem}.json", lambda path: path.write_text(document)),
+            write_whole(directory / f"{stem}.md", lambda path: path.write_text(self.to_markdown())),
+            write_whole(directory / f"{stem}.png", self.plot),
+        ]
 
 
 def first_word(reply: str) -> str:
@@ -213,14 +231,18 @@ def evaluate(
     model_name: str = "testbed",
     progress: bool = True,
     journal: Journal | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Report:
     """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned.
 
     ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
-    that prune before the language model or on their own schedule of layers take none. With a
+    that prune before the language model or on their own schedule of layers take none. ``options``:
+    the pruned methods' knobs (``priortr.apply``'s ``options``). With a
     ``journal`` every answer is recorded as its batch finishes, and answers already recorded there are
     not asked again (``Evaluation``)."""
-    evaluation = Evaluation(model, processor, samples, split, methods, budgets, layer, model_name, journal)
+    evaluation = Evaluation(
+        model, processor, samples, split, methods, budgets, layer, model_name, journal, options
+    )
     evaluation.run(batch_size, progress)
     return evaluation.report()
 
@@ -240,11 +262,12 @@ class Evaluation:
         layer: int | None = None,
         model_name: str = "testbed",
         journal: Journal | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if not samples:
             raise ValueError(f"split {split!r} has no samples to evaluate")
         self.model, self.processor, self.split, self.layer = model, processor, split, layer
-        self.model_name = model_name
+        self.model_name, self.options = model_name, options
         self.samples = list(samples)
         self.cells = [(VANILLA, None)] if VANILLA in methods else []
         self.cells += [(m, b) for m in methods if m != VANILLA for b in budgets]
@@ -257,6 +280,13 @@ class Evaluation:
                     f"{journal.path}: question {index} differs from this split's; use another --out"
                 )
             self.records[record["method"], record["budget"], index] = record
+        for cell in dict.fromkeys((method, budget) for method, budget, _ in self.records):
+            if cell in self.cells:
+                continue
+            if cell[0] == VANILLA:  # a resumed run keeps (and finishes) every cell it recorded
+                self.cells.insert(0, cell)
+            else:
+                self.cells.append(cell)
         self.seconds = 0.0
 
     def run(self, batch_size: int = 8, progress: bool = True) -> None:
@@ -282,6 +312,7 @@ class Evaluation:
                         method=method,
                         budget=budget,
                         layer=layer_for(method, self.layer),
+                        options=self.options,
                         strict=True,
                     )
                 )
@@ -329,7 +360,7 @@ class Evaluation:
             if cell.total:
                 cells.append(cell)
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return Report(self.split, self.model_name, self.layer, dtype, cells, self.seconds)
+        return Report(self.split, self.model_name, self.layer, dtype, cells, self.seconds, len(self.samples))
 
 
 def layer_for(method: str, layer: int | None) -> int | None:
