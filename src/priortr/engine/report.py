@@ -51,7 +51,8 @@ class PruneResult:
         positions: [B, S'] original prompt position of every token left after the last stage, i.e. of
             each row of the logits that a plain forward returns.
         padding: [B, S'] True at pruned tokens kept only so that rows have one length (ragged
-            batches); they are masked from every query and their logits are meaningless.
+            batches); they lead their row (before its left padding), are masked from every query and
+            their logits are meaningless.
         pruned: False when the budget covers every visual token (nothing was removed).
         stages: every stage in order.
     """
