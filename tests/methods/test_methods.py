@@ -20,8 +20,15 @@ from priortr.methods.recycling import recycle_counts
 from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup
-from tests.helpers.oracle import staged_reference
-from tests.helpers.pruned import NEW_TOKENS, conversation, generate, kept_rows, row_alone, stage_masks
+from tests.helpers.pruned import (
+    NEW_TOKENS,
+    conversation,
+    generate,
+    kept_rows,
+    reference_for,
+    row_alone,
+    stage_masks,
+)
 from tests.helpers.tiny import Batch, llava_batch, tiny_llava
 from tests.helpers.tiny_qwen3_vl import INJECTED_LAYERS as DEEPSTACK
 
@@ -55,7 +62,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
         assert cache_layer.keys.shape[2] == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
 
     stages = stage_masks(batch, result)
-    with staged_reference(model, stages, batch.attention_mask), torch.no_grad():
+    with reference_for(model, stages, batch.attention_mask), torch.no_grad():
         reference = model(**batch.kwargs()).logits
         expected_out = generate(model, batch)
     expected, real = kept_rows(reference, result, batch)
@@ -65,7 +72,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
 
     later = [(layer + 1, pruned) for layer, pruned in stages]  # negative control: stages one layer late
     if all(layer < len(priortr.adapters.adapter_for(model).decoder_layers(model)) - 1 for layer, _ in later):
-        with staged_reference(model, later, batch.attention_mask), torch.no_grad():
+        with reference_for(model, later, batch.attention_mask), torch.no_grad():
             wrong, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
         assert (wrong[real] - logits[real]).abs().max() > 1e-6
 
@@ -76,7 +83,7 @@ def test_static_cache_with_stages_matches_staged_reference(family, method):
     static = {"cache_implementation": "static"}
     with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
         out = generate(model, batch, **static)
-    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
         expected = generate(model, batch, **static)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
@@ -109,7 +116,7 @@ def test_second_turn_on_a_cache_pruned_in_stages(method):
     model, batch = setup("llava", 2)
     with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
         second = _two_turns(model, batch)
-    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
         expected = _two_turns(model, batch, reference=True)
     assert torch.equal(second.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(second.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
@@ -176,7 +183,7 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
         priortr.adapters.adapter_for(model).decoder_layers(model)[layer].register_forward_hook(write_merged)
     )
     try:
-        with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+        with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
             reference = model(**batch.kwargs()).logits
             expected_out = generate(model, batch)
     finally:
@@ -186,7 +193,7 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
     assert torch.equal(out.sequences, expected_out.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected_out.logits), atol=1e-10, rtol=0)
 
-    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
         unmerged, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
     assert (unmerged[real] - logits[real]).abs().max() > 1e-6, "merging must change the outputs"
 
