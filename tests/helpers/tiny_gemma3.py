@@ -73,6 +73,8 @@ def tiny_gemma3(
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
+    with torch.no_grad():  # transformers initialises it to zeros, which would make every image token alike
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
     return finish_model(model, attn)
 
 

@@ -20,6 +20,9 @@ WINDOW_KINDS = {
 }
 """transformers' local layer types: (window kind, the config field holding its size)."""
 
+STATE_KINDS = ("linear_attention", "conv", "mamba")
+"""Layer types that keep a fixed-size state per sequence instead of per-token keys and values."""
+
 
 @dataclass(frozen=True)
 class Window:

@@ -87,9 +87,11 @@ def padding(attention_mask: Any, batch: int, seq: int, device: torch.device) -> 
             )
         return attention_mask.bool().to(device)
     if attention_mask.ndim == 4:
-        last_row = attention_mask[:, 0, -1, :seq]  # the last query sees every non-padding key
-        valid = last_row if last_row.dtype == torch.bool else last_row == 0
-        return valid.expand(batch, seq).to(device)
+        # Every real key is seen by its own query, padding by none; the last query alone would miss the
+        # keys outside a sliding window or chunk.
+        rows = attention_mask[:, 0, :, :seq]
+        allowed = rows if rows.dtype == torch.bool else rows == 0
+        return allowed.any(dim=1).expand(batch, seq).to(device)
     raise ValueError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
 
 
@@ -203,22 +205,25 @@ class WindowPositions:
 def windowed(
     text_config: Any,
     cache: Any,
-    padding: torch.Tensor,
+    padding: torch.Tensor | None,
     positions: WindowPositions,
     new: int,
     dtype: torch.dtype,
+    prepared: Any = None,
 ) -> Any:
     """The masks of a call that continues a pruned cache in a model with local attention layers.
 
     transformers builds a local layer's mask over cache slots, and after pruning a slot is no longer a
-    position: the window must count the tokens' own positions. Each layer type gets transformers'
+    position: the window must count the tokens' own positions. Each local layer type gets transformers'
     ``create_causal_mask`` over its own cache layer's slots, with ``padding`` [B, K] (the pruned cache's
-    2D mask) and, for a local type, its window over ``positions``; a model with one layer type gets that
-    mask, one with several the dict by type that its text model takes.
+    2D mask; None when no slot is masked) and its window over ``positions``; a global type keeps the mask
+    ``generate()`` ``prepared`` for it (static caches, fillers already hidden) or gets the causal one. A
+    model with one layer type gets that mask, one with several the dict by type its text model takes.
     """
     kinds = layers.types(text_config)
     local = layers.windows(text_config)
-    stub = torch.empty((padding.shape[0], new, 0), dtype=dtype, device=padding.device)  # shape, dtype, device
+    kept = positions.kept
+    stub = torch.empty((kept.shape[0], new, 0), dtype=dtype, device=kept.device)  # shape, dtype, device
     masks = {}
     for kind in dict.fromkeys(kinds):
         first = kinds.index(kind)
@@ -227,6 +232,9 @@ def windowed(
             raise ValueError(
                 f"priortr cannot continue a pruned cache of a model with {kind} and local layers"
             )
+        if window is None and isinstance(prepared, dict) and kind in prepared:
+            masks[kind] = prepared[kind]
+            continue
         visible = None
         if window is not None:
 

@@ -41,6 +41,7 @@ class CacheLedger:
         next_position: [B] the text position of the token after the prompt.
         kept_positions: [B, S'] the text positions of the cached prompt tokens (local attention windows
             count them, not cache slots).
+        masked: whether any cached prompt slot is masked (left padding or fillers).
     """
 
     prompt_length: int
@@ -49,6 +50,7 @@ class CacheLedger:
     filler: torch.Tensor | None
     next_position: torch.Tensor
     kept_positions: torch.Tensor
+    masked: bool
 
     @property
     def dropped(self) -> int:
@@ -111,11 +113,13 @@ def continue_call(
     if any(window is not None for window in compat.layers.windows(text_config)):
         padding = call.attention_mask
         if not (isinstance(padding, torch.Tensor) and padding.ndim == 2):
-            padding = _padding(ledger, new, cache, cached)
+            padding = _padding(ledger, new, cache, cached) if ledger.masked else None
         positions = compat.masks.WindowPositions(
             ledger.kept_positions, ledger.next_position, ledger.kept_length
         )
-        call.attention_mask = compat.masks.windowed(text_config, cache, padding, positions, new, model.dtype)
+        call.attention_mask = compat.masks.windowed(
+            text_config, cache, padding, positions, new, model.dtype, call.attention_mask
+        )
 
 
 def _align(ledger: CacheLedger, call: compat.calls.ModelCall, new: int, cached: int) -> int:

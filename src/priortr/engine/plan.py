@@ -46,7 +46,8 @@ class PrefillPlan:
     """Everything about one prefill that is known before the first stage, mostly as host values.
 
     ``text_positions`` [B, S] are the prompt's text positions as the model numbers them (from the
-    position ids the call passed, else ``0 .. S-1``), ``next_position`` [B] the one after the prompt.
+    position ids the call passed, else ``0 .. S-1``), ``next_position`` [B] the one after the prompt;
+    ``padded`` says whether any row is left-padded.
 
     ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
     tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
@@ -62,6 +63,7 @@ class PrefillPlan:
     text_tokens: list[int]
     next_position: torch.Tensor
     text_positions: torch.Tensor
+    padded: bool
     rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
@@ -99,6 +101,7 @@ def make_plan(
         text_tokens=host.text_tokens,
         next_position=next_position,
         text_positions=text_positions,
+        padded=host.padded,
         pool_rows=host.pool_rows,
     )
     if host.rows is not None:
@@ -114,6 +117,7 @@ class HostPlan:
     stages: list[int]
     visual: torch.Tensor
     text_tokens: list[int]
+    padded: bool
     rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
@@ -154,6 +158,7 @@ def plan_on_host(
         stages=sorted({layer for pool in pools for layer in pool.stages}),
         visual=visual,
         text_tokens=(seq - visual.sum(dim=1)).tolist(),
+        padded=not bool(valid.all()),
     )
     if config.method.needs & ROW_EVIDENCE:
         _lay_out_rows(host, visual, valid, config, adapter.separator_token)

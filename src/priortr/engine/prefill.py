@@ -29,7 +29,7 @@ from priortr.engine.evidence import (
 )
 from priortr.engine.ledger import CacheLedger, write_ledger
 from priortr.engine.plan import PrefillPlan
-from priortr.engine.report import PrefillRecord, Scored
+from priortr.engine.report import LayerCache, PrefillRecord, Scored
 from priortr.engine.sequence import SequenceMap
 
 
@@ -165,6 +165,10 @@ class Prefill:
         sequence = self.sequence
         self.record.sequence = sequence
         self.record.pruned = sequence.positions is not None
+        self.record.cache = tuple(
+            LayerCache.of(self._kind(index), self._window(index), self.plan.seq, sequence.width)
+            for index in range(len(self.windows or ()))
+        )
         if self.record.pruned and self.cache is not None:
             ledger = CacheLedger(
                 prompt_length=self.plan.seq,
@@ -173,11 +177,18 @@ class Prefill:
                 filler=sequence.filler,
                 next_position=self.plan.next_position,
                 kept_positions=self.plan.text_positions.gather(1, sequence.positions),
+                masked=self.plan.padded or sequence.filler is not None,
             )
             write_ledger(self.cache, ledger)
 
     def _window(self, layer: int) -> compat.layers.Window | None:
         return None if self.windows is None else self.windows[layer]
+
+    def _kind(self, layer: int) -> str:
+        """``keys`` (per token), ``window`` (a local window's tail) or ``state`` (fixed size)."""
+        if self.attention_layers is not None and layer not in self.attention_layers:
+            return "state"
+        return "keys" if self._window(layer) is None else "window"
 
     def _gather_layer_inputs(self, call: compat.calls.LayerCall, index: int) -> None:
         """RoPE and mask of layer ``index`` once it runs on the kept tokens only, computed once per stage
