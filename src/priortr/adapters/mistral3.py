@@ -35,16 +35,17 @@ class Mistral3Adapter(FamilyAdapter):
         items = []
         for row, row_runs in enumerate(runs):
             group = []
-            for start, end in row_runs:
+            for k, (start, end) in enumerate(row_runs):
                 group.append(torch.arange(start, end, device=input_ids.device))
                 if end == input_ids.shape[1] or int(input_ids[row, end]) == closer:
                     items.append(VisualItem(row, torch.cat(group), end))
                     group = []
-            if group:
-                raise ValueError(
-                    "an image's [IMG] runs are not closed by [IMG_END]; the prompt does not follow the "
-                    "Pixtral layout (use the model's processor)"
-                )
+                elif k + 1 == len(row_runs) or row_runs[k + 1][0] != end + 1:
+                    raise ValueError(
+                        "an image's [IMG] runs are not closed by [IMG_END] (a run is followed by neither a "
+                        "row break and the next row nor the end marker); the prompt does not follow the "
+                        "Pixtral layout (use the model's processor)"
+                    )
         return items
 
     @staticmethod
