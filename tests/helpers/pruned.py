@@ -123,6 +123,8 @@ def row_alone(batch: Batch, row: int) -> dict:
         out["pixel_values"] = batch.pixel_values[first : first + patches[row]]
         out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
         out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
+    if "token_type_ids" in kwargs:  # one per token (Gemma 3): the row's real tokens
+        out["token_type_ids"] = kwargs["token_type_ids"][row, real][None]
     for key, value in kwargs.items():
         if key in out or not isinstance(value, torch.Tensor) or value.shape[0] % batch.batch_size:
             continue

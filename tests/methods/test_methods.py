@@ -204,6 +204,12 @@ def _first_layer(method: str) -> int:
     return config.plan(16, 4)[0][0]
 
 
+HYBRID = ("qwen3.5", "qwen3.5-moe")
+"""Families with linear-attention layers: on the tiny models only layer 1 can be scored, so one-layer
+methods score it there and methods that score several layers cannot run (refusal tested in
+tests/families/test_local_and_linear_attention.py)."""
+
+
 def _cases() -> list[tuple[str, str]]:
     """Every method on every family that can run it: [CLS] methods need a tower with [CLS] (LLaVA,
     Video-LLaVA images); Qwen3-VL refuses stages before its last DeepStack layer (tested below)."""
@@ -211,11 +217,15 @@ def _cases() -> list[tuple[str, str]]:
     for method in priortr.available_methods():
         if method == "test-merge":
             continue
-        if priortr.get_method(method).needs & VISION_NEEDS:
+        info = priortr.get_method(method)
+        if info.needs & VISION_NEEDS:
             families = ["llava", "video-llava"]
         else:
             families = [
-                f for f in FAMILIES if not (f.startswith("qwen3") and _first_layer(method) < DEEPSTACK - 1)
+                f
+                for f in FAMILIES
+                if not (f.startswith("qwen3-vl") and _first_layer(method) < DEEPSTACK - 1)
+                and not (f in HYBRID and info.where == "layers")
             ]
         cases += [(family, method) for family in families]
     return cases
@@ -236,7 +246,14 @@ def _survivors(method: str, stages: list[tuple[int, int]], n_visual: int) -> int
 def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method):
     model, batch = setup(family, 2)
     budget = 6
-    with priortr.apply(model, method=method, budget=budget) as handle, torch.no_grad():
+    layer = {"layer": 1} if family in HYBRID and priortr.get_method(method).where == "layer" else {}
+    # The stock model's own batch-vs-row noise (Gemma 3: ~1.5e-7 in float64, its float32 RoPE angles of
+    # left-padded rows' absolute positions) bounds how closely a pruned batch can match its rows.
+    with torch.no_grad():
+        stock = model(**batch.kwargs()).logits[:, -1]
+        noise = max((model(**row_alone(batch, r)).logits[0, -1] - stock[r]).abs().max() for r in range(2))
+    tolerance = max(1e-7, 4 * float(noise))
+    with priortr.apply(model, method=method, budget=budget, **layer) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits[:, -1]
         kept = handle.last.kept - handle.last.visual_start[:, None]
         n_layers = len(priortr.adapters.adapter_for(model).decoder_layers(model))
@@ -247,7 +264,7 @@ def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method
         for row in range(batch.batch_size):
             alone = model(**row_alone(batch, row)).logits[:, -1]
             assert torch.equal(handle.last.kept - handle.last.visual_start[:, None], kept[row : row + 1])
-            torch.testing.assert_close(alone[0], logits[row], atol=1e-7, rtol=0)
+            torch.testing.assert_close(alone[0], logits[row], atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("method", sorted(set(priortr.available_methods()) - {"test-merge"}))
