@@ -203,3 +203,25 @@ def test_compiled_decode_makes_the_graphs_vanilla_makes(family):
         assert overhead.count_compiled_graphs(model, batch.kwargs()) == vanilla
         compiled = overhead.compiled_generate(model, batch.kwargs(), **options)
     assert torch.equal(compiled, eager)
+
+
+def test_a_hybrid_cache_continued_without_priortr_cannot_be_continued_with_it():
+    """Without priortr attached, the pruned cache's first attention layer refuses the call, but Qwen3.5's
+    linear-attention layer 0 has already stepped its state by then: continuing that cache with priortr
+    attached again is refused too (it no longer stands for the conversation)."""
+    model = tiny_qwen3_5()
+    batch = qwen3_vl_batch(model, 1)
+    with priortr.apply(model, budget=4, layer=1), torch.no_grad():
+        out = model.generate(
+            **batch.kwargs(), max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+        )
+    ids = torch.cat([out.sequences, torch.tensor([[7]])], dim=1)
+    turn = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 1, "do_sample": False}
+    with pytest.raises(ValueError, match="no priortr pruning is attached"), torch.no_grad():
+        model.generate(**turn, past_key_values=out.past_key_values)
+    with (
+        priortr.apply(model, budget=4, layer=1),
+        pytest.raises(ValueError, match="already continued once without priortr"),
+        torch.no_grad(),
+    ):
+        model.generate(**turn, past_key_values=out.past_key_values)

@@ -32,12 +32,19 @@ from priortr.compat.release import refuse
 from priortr.surgery import gather_sequence
 
 CLAIMED = "_priortr_claimed"
+SPOILED = "_priortr_spoiled"
 
 UNCLAIMED = (
     "this KV cache was pruned by priortr, and no priortr pruning is attached to the model continuing it "
     "(the handle was removed, or the cache went to another model): the stock model would read it with "
     "wrong positions. Continue it with priortr.apply(model, ...) attached (any method: the cache carries "
     "what it needs), or start a new cache"
+)
+
+SPOILED_MESSAGE = (
+    "this pruned cache was already continued once without priortr attached, and that call was refused only "
+    "after the model's linear-attention layers before its first attention layer had stepped their states "
+    "(Qwen3.5): the cache no longer stands for the conversation. Start a new cache"
 )
 
 
@@ -106,6 +113,7 @@ def _guarded(plain: type, name: str) -> type:
 
         def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not self._priortr_claimed:
+                setattr(self, SPOILED, True)  # state layers before this one may have stepped already
                 raise ValueError(UNCLAIMED)
             self._priortr_claimed = False
             return super().update(*args, **kwargs)
@@ -237,10 +245,20 @@ def unguard(layer: Any) -> None:
     if type(layer) in _PLAIN:
         layer.__class__ = _PLAIN[type(layer)]
         layer.__dict__.pop(CLAIMED, None)
+        layer.__dict__.pop(SPOILED, None)
 
 
 def is_guarded(cache: Any) -> bool:
     return type(first_layer(cache)) in _PLAIN
+
+
+def check_unspoiled(cache: Any) -> None:
+    """Refuse a pruned ``cache`` whose state layers a refused, unclaimed call may have stepped before its
+    first key-value layer refused it (``SPOILED_MESSAGE``)."""
+    if getattr(first_layer(cache), SPOILED, False) and any(
+        isinstance(layer, STATE_LAYERS) for layer in layers(cache)
+    ):
+        raise ValueError(SPOILED_MESSAGE)
 
 
 def claim(cache: Any) -> None:

@@ -159,6 +159,7 @@ class PruningEngine:
         empty = not decode_step and (cache is None or compat.cache.length(cache) == 0)
         if ledger is not None:
             if not empty:  # a decode step or a later chat turn
+                compat.cache.check_unspoiled(cache)
                 continue_call(ledger, call, self.adapter, self.model, self.config.strict)
                 compat.cache.claim(cache)
                 return call.hook_result()
