@@ -60,7 +60,7 @@ DUMMY_TOKENS = {
     "internvl": 7 * 16,  # 7 tiles of 16 tokens
     "smolvlm": 13 * 9,  # 3 x 4 sub-images and the global one, 9 tokens each
     "idefics3": 13 * 9,
-    "mistral3": 4 * 4,  # the tiny tower's 32 px image_size: 4 x 4 tokens of 8 px
+    "mistral3": 6 * 6,  # the tiny tower's 48 px image_size: 6 x 6 tokens of 8 px
     "glm4v": 576,
     "qwen3.5": 576,
     "qwen3.5-moe": 576,

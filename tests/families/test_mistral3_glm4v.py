@@ -93,7 +93,7 @@ def test_mistral3_an_image_without_its_end_marker_is_refused():
 def test_mistral3_visual_grid_reads_image_sizes():
     model = tiny_mistral3()
     batch = mistral3_ragged_batch(model, 2)
-    assert Mistral3Adapter().visual_grid(model.config, batch.kwargs(), 1) == (3, 4)
+    assert Mistral3Adapter().visual_grid(model.config, batch.kwargs(), 1) == (4, 5)
 
 
 @pytest.mark.parametrize("layout", [glm4v_batch, glm4v_multi_image_batch, glm4v_video_batch])

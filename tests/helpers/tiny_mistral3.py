@@ -36,7 +36,7 @@ from tests.helpers.tiny import (
 MISTRAL3_IMAGE_ID, MISTRAL3_BREAK_ID, MISTRAL3_END_ID = 199, 198, 197
 PATCH_SIZE, MERGE = 4, 2
 TOKEN_PIXELS = PATCH_SIZE * MERGE  # one visual token covers 8 x 8 pixels
-IMAGE = (24, 32)  # 3 rows of 4 tokens: 12 visual tokens
+IMAGE = (32, 40)  # 4 rows of 5 tokens: 20 visual tokens
 SMALL_IMAGE = (16, 16)  # 2 rows of 2 tokens
 
 
@@ -53,7 +53,7 @@ def tiny_mistral3(
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "head_dim": 16,
-        "image_size": 32,
+        "image_size": 48,
         "patch_size": PATCH_SIZE,
     }
     config = Mistral3Config(
@@ -83,7 +83,7 @@ def mistral3_batch(
     seed: int = 0,
 ) -> Batch:
     """Rows ``[bos, text x a, image, (text x 2, image)..., text x b]``, left-padded; ``sizes[r]`` are row
-    ``r``'s image sizes (default: one ``IMAGE`` per row, 12 visual tokens)."""
+    ``r``'s image sizes (default: one ``IMAGE`` per row, 20 visual tokens)."""
     sizes = [[IMAGE]] * batch_size if sizes is None else [list(row) for row in sizes]
     rows, pixels, image_sizes = [], [], []
     lengths = zip(row_lengths((3,), batch_size), row_lengths((5,), batch_size), strict=True)
@@ -116,10 +116,10 @@ def mistral3_batch(
 
 
 def mistral3_ragged_batch(model, batch_size: int = 2, seed: int = 0) -> Batch:
-    """One image per row, alternately 4 and 12 visual tokens (2 x 2 and 3 x 4 rows of tokens)."""
+    """One image per row, alternately 4 and 20 visual tokens (2 x 2 and 4 x 5 rows of tokens)."""
     return mistral3_batch(model, batch_size, [[(SMALL_IMAGE, IMAGE)[r % 2]] for r in range(batch_size)], seed)
 
 
 def mistral3_multi_image_batch(model, batch_size: int = 2, seed: int = 0) -> Batch:
-    """Two images per row, 4 then 12 visual tokens, two text tokens between them."""
+    """Two images per row, 4 then 20 visual tokens, two text tokens between them."""
     return mistral3_batch(model, batch_size, [[SMALL_IMAGE, IMAGE]] * batch_size, seed)

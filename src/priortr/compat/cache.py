@@ -13,7 +13,7 @@ left as they are. A cache with any other layer type in the pruned layers is refu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,21 +138,23 @@ GuardedStaticSlidingWindowLayer = _guarded(StaticSlidingWindowLayer, "GuardedSta
 class LayerOperations:
     """What priortr does to one type of cache layer: ``compact(layer, index [B, S'], prompt length)``,
     and the guarded subclass its first layer becomes once the prefill is pruned; ``static``: its slots
-    are preallocated (keys span ``max_cache_len`` in every call, and its length is a device tensor)."""
+    are preallocated (keys span ``max_cache_len`` in every call, and its length is a device tensor);
+    ``window``: it keeps only a local window's last tokens."""
 
     compact: Callable[[Any, torch.Tensor, int], None]
     guarded: type
     static: bool
+    window: bool = False
 
 
 LAYER_OPERATIONS: dict[type, LayerOperations] = {
     DynamicLayer: LayerOperations(_compact_dynamic, GuardedDynamicLayer, static=False),
     StaticLayer: LayerOperations(_compact_static, GuardedStaticLayer, static=True),
     DynamicSlidingWindowLayer: LayerOperations(
-        _compact_dynamic_window, GuardedDynamicSlidingWindowLayer, static=False
+        _compact_dynamic_window, GuardedDynamicSlidingWindowLayer, static=False, window=True
     ),
     StaticSlidingWindowLayer: LayerOperations(
-        _compact_static_window, GuardedStaticSlidingWindowLayer, static=True
+        _compact_static_window, GuardedStaticSlidingWindowLayer, static=True, window=True
     ),
 }
 
@@ -212,15 +214,24 @@ def max_length(cache: Any) -> int:
     return max(int(layer.max_cache_len) for layer in key_value_layers(cache))
 
 
-def check_prunable(cache: Any, layer: int) -> None:
-    """Refuse caches whose layers ``0 .. layer`` cannot be compacted (quantised or offloaded caches);
-    state layers are left as they are."""
+def check_prunable(cache: Any, layer: int, local: Sequence[bool] | None = None) -> None:
+    """Refuse caches whose layers ``0 .. layer`` cannot be compacted (quantised or offloaded caches), and a
+    window cache on a decoder layer that attends globally (``local[i]``: whether layer i has a local
+    window; such a cache would drop keys the layer's positions still reach); state layers are left as
+    they are."""
     for index, cache_layer in enumerate(layers(cache)[: layer + 1]):
-        if _operations(cache_layer) is None and not isinstance(cache_layer, STATE_LAYERS):
+        operations = _operations(cache_layer)
+        if operations is None and not isinstance(cache_layer, STATE_LAYERS):
             kinds = ", ".join(kind.__name__ for kind in LAYER_OPERATIONS)
             raise ValueError(
                 f"cache layer {index} is a {type(cache_layer).__name__}; priortr can prune only {kinds} "
                 "layers (use cache_implementation='dynamic' or 'static')"
+            )
+        if operations is not None and operations.window and local is not None and not local[index]:
+            raise ValueError(
+                f"cache layer {index} is a {type(cache_layer).__name__}, which keeps only a window's last "
+                f"tokens, but decoder layer {index} attends to every token; pass the model's own cache "
+                "(cache_implementation='dynamic' or 'static')"
             )
 
 

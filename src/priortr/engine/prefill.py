@@ -87,7 +87,8 @@ class Prefill:
         if self.next_stage == index:
             cache = call.cache
             if cache is not None:
-                compat.cache.check_prunable(cache, index)
+                local = None if self.windows is None else [window is not None for window in self.windows]
+                compat.cache.check_prunable(cache, index, local)
             self.cache = cache
             self.captured["rope"] = call.rope
             self.captured["attention"] = self.adapter.attention(layer)
