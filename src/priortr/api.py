@@ -184,6 +184,7 @@ def apply(
         seed=seed,
     )
     _check_injection(config, adapter.injected_layers(model), n_layers)
+    _check_scored_layers(config, adapter.attention_layers(model), n_layers)
     engine = PruningEngine(model, adapter, config)
     engine.attach()
     handle = PruningHandle(engine)
@@ -292,6 +293,30 @@ def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> Non
             f"this model adds visual features to the outputs of decoder layers 0..{injected - 1} "
             "(DeepStack), "
             f"so {config.method.name} cannot prune {where}; score layer {injected - 1} or later"
+        )
+
+
+def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: int) -> None:
+    """Refuse stages whose evidence needs attention rows at a layer without softmax attention (Qwen3.5's
+    linear-attention layers have a recurrent state, no attention matrix): the scored layer itself
+    (``attention``, ``keys``) or the one after it (``next_attention``)."""
+    offset = 1 if "next_attention" in config.method.needs else 0
+    if not config.method.needs & {"attention", "keys", "next_attention"} or len(attention) == n_layers:
+        return
+    for layer, _ in config.plan(1 << 20, n_layers):
+        if layer == BEFORE_LLM or layer + offset in attention:
+            continue
+        allowed = [index - offset for index in attention if 0 <= index - offset <= n_layers - 2]
+        nearest = min(allowed, key=lambda index: (abs(index - layer), index), default=None)
+        which = "the layer after the scored one" if offset else "the scored layer"
+        raise ValueError(
+            f"{config.method.name} reads attention at {which}, and decoder layer {layer + offset} of this "
+            f"model has no softmax attention (only layers {attention} do); "
+            + (
+                f"score layer {nearest} instead"
+                if nearest is not None
+                else "no layer of this model can be scored"
+            )
         )
 
 

@@ -52,6 +52,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from priortr import compat
 from priortr.configs import load_config
 from priortr.methods import get_method
 from priortr.methods.pdrop import pyramid_stages
@@ -81,6 +82,14 @@ class TextShape:
     head_dim: int
     vocab: int
     mlp_matrices: int = 3  # SwiGLU: gate, up, down
+    cache_caps: tuple[int | None, ...] = ()  # per layer: None keeps every token, w a window's w, 0 nothing
+
+    def cached(self, tokens: int) -> list[int]:
+        """Tokens each layer's (dynamic) cache holds for ``tokens`` processed: all of them for full
+        attention, the last ``window - 1`` for a sliding or chunked layer, none for linear attention
+        (a fixed-size state that pruning leaves as it is)."""
+        caps = self.cache_caps or (None,) * self.layers
+        return [tokens if cap is None else min(tokens, cap) for cap in caps]
 
     @property
     def attn_dim(self) -> int:
@@ -145,6 +154,11 @@ def text_shape(config: PretrainedConfig) -> TextShape:
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kinds, windows = compat.layers.types(text), compat.layers.windows(text)
+    caps = tuple(
+        0 if kind in compat.layers.STATE_KINDS else None if window is None else window.size - 1
+        for kind, window in zip(kinds, windows, strict=True)
+    )
     return TextShape(
         hidden=text.hidden_size,
         intermediate=text.intermediate_size,
@@ -153,6 +167,7 @@ def text_shape(config: PretrainedConfig) -> TextShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab=text.vocab_size,
+        cache_caps=caps if any(cap is not None for cap in caps) else (),
     )
 
 
@@ -290,19 +305,22 @@ def kv_cache_bytes(
     pruned_from: int | None = None,
     full_tokens: int | None = None,
 ) -> int:
-    """Bytes of the KV cache: ``2 x layers x kv_heads x head_dim x tokens x dtype_bytes x batch``.
+    """Bytes of the KV cache: ``2 x kv_heads x head_dim x dtype_bytes x batch`` per token a layer holds.
 
-    With ``pruned_from=None`` every layer caches ``tokens`` (this package's engine prunes the cache of
-    layers 0..L too). With ``pruned_from=j`` layers ``0 .. j-1`` cache ``full_tokens`` and layers ``j ..``
-    cache ``tokens`` (a method that leaves the early layers' cache unpruned).
+    A full-attention layer holds every token, a sliding or chunked one its window's last tokens, a
+    linear-attention layer none (its fixed-size state is not counted: pruning leaves it as it is;
+    ``TextShape.cached``). With ``pruned_from=None`` every layer caches ``tokens`` (this package's engine
+    prunes the cache of layers 0..L too). With ``pruned_from=j`` layers ``0 .. j-1`` cache ``full_tokens``
+    and layers ``j ..`` cache ``tokens`` (a method that leaves the early layers' cache unpruned).
     """
     text = _text(config)
     per_token_layer = 2 * text.kv_heads * text.head_dim * dtype_bytes * batch
     if pruned_from is None:
-        return per_token_layer * text.layers * tokens
+        return per_token_layer * sum(text.cached(tokens))
     if full_tokens is None or not 0 <= pruned_from <= text.layers:
         raise ValueError("pruned_from needs full_tokens and must be in [0, layers]")
-    return per_token_layer * (pruned_from * full_tokens + (text.layers - pruned_from) * tokens)
+    early, late = text.cached(full_tokens)[:pruned_from], text.cached(tokens)[pruned_from:]
+    return per_token_layer * (sum(early) + sum(late))
 
 
 def _shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
@@ -495,11 +513,14 @@ def inference_flops(
 def cache_bytes(
     shape: ModelShape, profile: LayerProfile | None, text_tokens: int, n_visual: int, dtype_bytes: int = 2
 ) -> int:
-    """KV-cache bytes right after the prefill under ``profile`` (batch 1)."""
+    """KV-cache bytes right after the prefill under ``profile`` (batch 1), each layer holding what its
+    kind keeps of the tokens it caches (``TextShape.cached``)."""
     profile = profile or LayerProfile("vanilla")
     per_layer = profile.cached_per_layer(n_visual, shape.text.layers)
-    per_token = kv_cache_bytes(shape, 1, dtype_bytes) // shape.text.layers
-    return per_token * sum(text_tokens + kept for kept in per_layer)
+    text = shape.text
+    per_token = 2 * text.kv_heads * text.head_dim * dtype_bytes
+    held = (text.cached(text_tokens + kept)[index] for index, kept in enumerate(per_layer))
+    return per_token * sum(held)
 
 
 def layer_mapping(layer: int, n_layers: int, text_tokens: int, n_visual: int) -> str:
@@ -580,7 +601,10 @@ def flops_report(
     return {
         "model": name,
         "model_type": shape.model_type,
-        "shapes": {"text": asdict(shape.text), "vision": _vision_dict(shape.vision)},
+        "shapes": {
+            "text": {**asdict(shape.text), "cache_caps": list(shape.text.cache_caps)},
+            "vision": _vision_dict(shape.vision),
+        },
         "assumptions": {
             **common,
             "layer": layer,

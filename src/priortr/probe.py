@@ -12,6 +12,7 @@ arguments would let the separator row see the instruction (the defect of the aut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,16 +24,33 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate: Callable[[torch.Tensor], torch.Tensor] = rotate_half,
+) -> torch.Tensor:
     """Rotary position embedding with the (cos, sin) pair the decoder hands every layer.
 
     Args:
         x: [B, H, S, d] queries or keys.
-        cos, sin: [B or 1, S, d] as produced by the model's rotary module (M-RoPE sections are already
-            merged into them for Qwen-VL).
+        cos, sin: [B or 1, S, r] as produced by the model's rotary module (M-RoPE sections are already
+            merged into them for Qwen-VL), r <= d: partial RoPE (Qwen3.5, GLM-4.1V) rotates the first r
+            dimensions of each head and passes the others through, as transformers does.
+        rotate: the pairing of rotated dimensions: halves (``rotate_half``, LLaMA) or neighbours
+            (``rotate_pairs``, GLM).
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, d]
-    return x * cos + rotate_half(x) * sin
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, r]
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate(x) * sin
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    return torch.cat([x_rot * cos + rotate(x_rot) * sin, x_pass], dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of neighbouring dimensions (0, 1), (2, 3), ... (GPT-J / GLM convention)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -42,11 +60,14 @@ class RowSpec:
     ``rows`` [B, R] are the current sequence columns of the recomputed rows (each batch row picks its
     own; padding entries are masked later by whoever reads them); a row sees keys at columns up to its
     own, where ``key_valid`` [B, S] is True (False on padding and on pruned tokens kept only to make
-    ragged rows the same length).
+    ragged rows the same length). At a layer with local attention, ``window(query, key)`` says which
+    keys are in a row's window, given the prompt positions ``positions`` [B, S] of the columns.
     """
 
     rows: torch.Tensor
     key_valid: torch.Tensor
+    window: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    positions: torch.Tensor | None = None
 
 
 def attention_rows(
@@ -79,6 +100,10 @@ def attention_rows(
     row_pos = spec.rows.to(keys.device)[:, :, None]  # [B, R, 1]
     key_pos = torch.arange(seq, device=keys.device)  # [S]
     visible = (key_pos <= row_pos) & spec.key_valid[:, None, :].to(keys.device)  # [B, R, S]
+    if spec.window is not None:
+        positions = spec.positions.to(keys.device)  # [B, S]
+        row_positions = positions.gather(1, spec.rows.to(keys.device))  # [B, R]
+        visible &= spec.window(row_positions[:, :, None], positions[:, None, :])
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
     # A padded row sees no key at all; its probabilities are zero instead of NaN and are ignored later.
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)

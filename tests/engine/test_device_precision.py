@@ -3,7 +3,8 @@
 The rest of the suite compares in float64 on the CPU. Here every family runs on ``PRIORTR_TEST_DEVICE``
 (``cpu`` by default; ``scripts/gpu-check.sh`` sets ``cuda``) in float32, bfloat16 and float16 (and
 float64 off the CPU),
-and the pruned model is compared with the masked reference (``tests/helpers/oracle.py``) on the same
+and the pruned model is compared with the reference (``tests/helpers/oracle.py``; for models with local or
+linear-attention layers ``tests/helpers/pruned_reference.py``) on the same
 device and in the same dtype: prefill logits of the kept real tokens agree to a tolerance of the
 dtype's rounding, while the stock model misses by more than twice that (the comparison can fail), the
 KV cache holds the text and the kept tokens only, and in float64/float32 the greedy tokens are equal.
@@ -19,8 +20,7 @@ import torch
 
 import priortr
 from tests.helpers.families import FAMILIES, setup
-from tests.helpers.oracle import masked_reference
-from tests.helpers.pruned import NEW_TOKENS, kept_rows, pruned_columns
+from tests.helpers.pruned import NEW_TOKENS, kept_rows, pruned_columns, reference_for
 
 DEVICE = torch.device(os.environ.get("PRIORTR_TEST_DEVICE", "cpu"))
 BUDGET, LAYER = 8, 1
@@ -64,7 +64,7 @@ def test_pruning_matches_the_reference_on_the_device(family, dtype):
     assert int(cache.get_seq_length()) == kept_tokens + NEW_TOKENS - 1
     on_host = dataclasses.replace(result, positions=result.positions.cpu(), padding=result.padding.cpu())
     pruned = pruned_columns(batch, result.kept.cpu())
-    with masked_reference(model, LAYER, pruned, batch.attention_mask), torch.no_grad():
+    with reference_for(model, [(LAYER, pruned)], batch.attention_mask), torch.no_grad():
         reference = model(**inputs).logits
         expected = model.generate(
             **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False

@@ -12,8 +12,7 @@ import torch
 import priortr
 from priortr.engine.prefill import Prefill
 from tests.helpers.families import FAMILIES, setup
-from tests.helpers.oracle import masked_reference
-from tests.helpers.pruned import conversation, kept_rows, pruned_columns
+from tests.helpers.pruned import conversation, kept_rows, pruned_columns, reference_for
 from tests.helpers.tiny import Batch, llava_batch, tiny_llava
 
 LAYER, BUDGET, NEW_TOKENS = 1, 5, 6
@@ -35,7 +34,7 @@ def test_prefill_logits_match_masked_reference(family, batch_size):
     assert result.kept.shape == (batch_size, BUDGET)
     assert logits.shape[1] == batch.seq_len - batch.n_visual + BUDGET
     with (
-        masked_reference(model, LAYER, pruned_columns(batch, result.kept), batch.attention_mask),
+        reference_for(model, [(LAYER, pruned_columns(batch, result.kept))], batch.attention_mask),
         torch.no_grad(),
     ):
         reference = model(**batch.kwargs()).logits
@@ -55,7 +54,7 @@ def test_generate_matches_masked_reference(family, batch_size, cache):
     options = {"cache_implementation": cache, "output_logits": True, "return_dict_in_generate": True}
     with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
         out = generate(model, batch, **options)
-    with masked_reference(model, LAYER, pruned_columns(batch, handle.last.kept), batch.attention_mask):
+    with reference_for(model, [(LAYER, pruned_columns(batch, handle.last.kept))], batch.attention_mask):
         ref = generate(model, batch, **options)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
@@ -78,13 +77,24 @@ def test_kv_cache_holds_text_plus_budget(family, cache):
     expected = batch.seq_len - batch.n_visual + BUDGET
     cache_obj = out.past_key_values
     assert int(cache_obj.get_seq_length()) == expected
-    for layer in cache_obj.layers:
-        filled = layer.keys[:, :, :expected]
+    text = model.config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * len(cache_obj.layers)
+    for kind, layer in zip(kinds, cache_obj.layers, strict=True):
+        if kind == "linear_attention":  # a recurrent state, nothing per token
+            assert getattr(layer, "keys", None) is None
+            continue
+        # A sliding window's cache holds its last tokens: window - 1 (dynamic), window slots (static).
+        held = (
+            expected
+            if kind == "full_attention"
+            else min(expected, text.sliding_window - (cache == "dynamic"))
+        )
+        filled = layer.keys[:, :, :held]
         assert filled.abs().sum(dim=(0, 1, 3)).ne(0).all()
         if cache == "dynamic":
-            assert layer.keys.shape[2] == expected and layer.values.shape[2] == expected
+            assert layer.keys.shape[2] == held and layer.values.shape[2] == held
         else:
-            assert layer.keys[:, :, expected:].abs().sum() == 0
+            assert layer.keys[:, :, held:].abs().sum() == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,7 +117,7 @@ def test_full_budget_and_remove_are_bit_identical(family):
     assert torch.equal(generate(model, batch), stock_tokens)
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2.5-vl", "mistral3", "glm4v", "qwen3.5", "gemma3"])
 @pytest.mark.parametrize("new_tokens_only", [False, True])
 def test_second_turn_on_pruned_cache_matches_masked_reference(family, new_tokens_only):
     """Turn 1 prunes; turn 2 continues on the pruned cache (paper Appendix E)."""
@@ -133,7 +143,7 @@ def test_second_turn_on_pruned_cache_matches_masked_reference(family, new_tokens
             do_sample=False,
         )
     kept = handle.last.kept
-    with masked_reference(model, LAYER, pruned_columns(batch, kept), batch.attention_mask):
+    with reference_for(model, [(LAYER, pruned_columns(batch, kept))], batch.attention_mask):
         reference = model.generate(
             **conversation(batch, history, mask).kwargs(),
             max_new_tokens=NEW_TOKENS,
@@ -158,16 +168,16 @@ def test_negative_controls_are_caught(family, monkeypatch):
     with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
         good = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     pruned = pruned_columns(batch, handle.last.kept)
-    with masked_reference(model, LAYER, pruned, batch.attention_mask):
+    with reference_for(model, [(LAYER, pruned)], batch.attention_mask):
         ref = generate(model, batch, output_logits=True, return_dict_in_generate=True)
     torch.testing.assert_close(torch.stack(good.logits), torch.stack(ref.logits), atol=1e-10, rtol=0)
 
     original = Prefill._gather_layer_inputs
 
-    def renumbered(self, call):
+    def renumbered(self, call, index):
         """Negative control: layers after L get positions 0..S'-1 instead of the kept tokens' own."""
         full = call.rope
-        original(self, call)
+        original(self, call, index)
         if full[0].shape[1] == batch.seq_len:
             n = call.rope[0].shape[1]
             call.rope = (full[0][:, :n], full[1][:, :n])

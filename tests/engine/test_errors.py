@@ -114,11 +114,16 @@ def test_no_instruction_after_the_separator(llava):
     assert handle.last.kept.shape == (1, 4)
 
 
-def test_sliding_window_cache_is_refused(llava):
+def test_a_window_cache_on_global_layers_is_refused(llava):
+    """A sliding-window cache is pruned with the layers that slide (Gemma 3's, tests/families); handed to
+    layers that attend to every token, it would drop keys they still reach."""
     batch = llava_batch(llava)
     cache = DynamicCache()
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=8) for _ in range(4)]
-    with priortr.apply(llava, budget=4), pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+    with (
+        priortr.apply(llava, budget=4),
+        pytest.raises(ValueError, match="DynamicSlidingWindowLayer, which keeps only a window"),
+    ):
         llava(**batch.kwargs(), past_key_values=cache, use_cache=True)
 
 

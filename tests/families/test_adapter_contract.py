@@ -14,11 +14,15 @@ import torch
 from priortr import compat
 from priortr.adapters import adapter_for
 from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.gemma3 import Gemma3Adapter
+from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
+from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
 from priortr.adapters.video_llava import VideoLlavaAdapter
 from tests.helpers.families import FAMILIES
@@ -36,6 +40,11 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "internvl": InternVLAdapter,
     "smolvlm": Idefics3Adapter,
     "idefics3": Idefics3Adapter,
+    "mistral3": Mistral3Adapter,
+    "glm4v": Glm4vAdapter,
+    "qwen3.5": Qwen3_5Adapter,
+    "qwen3.5-moe": Qwen3_5Adapter,
+    "gemma3": Gemma3Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -51,6 +60,11 @@ DUMMY_TOKENS = {
     "internvl": 7 * 16,  # 7 tiles of 16 tokens
     "smolvlm": 13 * 9,  # 3 x 4 sub-images and the global one, 9 tokens each
     "idefics3": 13 * 9,
+    "mistral3": 6 * 6,  # the tiny tower's 48 px image_size: 6 x 6 tokens of 8 px
+    "glm4v": 576,
+    "qwen3.5": 576,
+    "qwen3.5-moe": 576,
+    "gemma3": 16,
 }
 """Visual tokens per row of ``dummy_inputs(config, 2, 8, ...)`` (the benchmark prompt)."""
 
@@ -89,8 +103,9 @@ def test_visual_items_cover_the_visual_tokens_once(models, family):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_accessors_are_the_modules_generate_runs(models, family):
-    """Every decoder layer, its q/k projections and the multimodal model run once per ``generate()``
-    step; the vision modules run once, first before last (the images are encoded once)."""
+    """Every decoder layer, the q/k projections of its attention layers and the multimodal model run once
+    per ``generate()`` step; the vision modules run once, first before last (the images are encoded
+    once)."""
     model = models[family]
     batch = FAMILIES[family][1](model, 2)  # first: the AnyRes builders ask the vision tower for counts
     adapter = adapter_for(model)
@@ -99,8 +114,9 @@ def test_accessors_are_the_modules_generate_runs(models, family):
     first, last = adapter.vision_modules(model)
     watched = {"multimodal": adapter.multimodal_model(model), "vision first": first, "vision last": last}
     for i, layer in enumerate(layers):
-        attention = adapter.attention(layer)
         watched[f"layer{i}"] = layer
+    for i in adapter.attention_layers(model):
+        attention = adapter.attention(layers[i])
         watched[f"q{i}"] = adapter.query_projection(attention)
         watched[f"k{i}"] = adapter.key_projection(attention)
     ran: list[str] = []
@@ -187,3 +203,57 @@ def test_dummy_inputs_run_and_parse(models, family):
     with torch.no_grad():
         logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_queries_keys_and_rope_reproduce_the_attention_weights(family):
+    """For every attention layer, softmax(rotate(q) rotate(k)^T * scaling + mask) from the captured q/k
+    projection outputs, through ``queries_and_keys``, ``rotate`` and the layer's own position embeddings
+    and mask, equals the weights eager attention computes (one unpadded row: eager float64 turns padded
+    rows into NaNs); without the rotation it does not, and ``inverse_rope`` undoes it."""
+    model = FAMILIES[family][0](attn="eager")
+    adapter = adapter_for(model)
+    batch = FAMILIES[family][1](model, 1)
+    layers = adapter.decoder_layers(model)
+    stores: dict[int, dict] = {index: {} for index in adapter.attention_layers(model)}
+    handles = []
+    for index, store in stores.items():
+        attention = adapter.attention(layers[index])
+
+        def inputs(module, args, kwargs, store=store):
+            store["rope"], store["mask"] = kwargs["position_embeddings"], kwargs["attention_mask"]
+
+        def keep(name, store=store):
+            return lambda module, args, out: store.__setitem__(name, out)
+
+        handles += [
+            attention.register_forward_pre_hook(inputs, with_kwargs=True),
+            attention.register_forward_hook(
+                lambda module, args, out, store=store: store.update(weights=out[1])
+            ),
+            adapter.query_projection(attention).register_forward_hook(keep("q")),
+            adapter.key_projection(attention).register_forward_hook(keep("k")),
+        ]
+    try:
+        with torch.no_grad():
+            model(**batch.kwargs())
+    finally:
+        for handle in handles:
+            handle.remove()
+    for index, store in stores.items():
+        attention = adapter.attention(layers[index])
+        queries, keys = adapter.queries_and_keys(attention, store["q"], store["k"])
+
+        def weights(rotate, queries=queries, keys=keys, attention=attention, store=store):
+            q, k = (rotate(attention, x, store["rope"]) for x in (queries, keys))
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            scores = q @ k.transpose(-1, -2) * adapter.scaling(attention)
+            if store["mask"] is not None:
+                scores = scores + store["mask"]
+            return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+
+        torch.testing.assert_close(weights(adapter.rotate), store["weights"], atol=1e-6, rtol=0)
+        assert (weights(lambda attention, x, rope: x) - store["weights"]).abs().max() > 1e-4, index
+        rotated = adapter.rotate(attention, keys, store["rope"])
+        back = adapter.rotate(attention, rotated, adapter.inverse_rope(store["rope"]))
+        torch.testing.assert_close(back, keys, atol=1e-6, rtol=0)  # (cos, sin) come from float32

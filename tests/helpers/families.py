@@ -22,6 +22,14 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
+from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_multi_image_batch, tiny_gemma3
+from tests.helpers.tiny_glm4v import (
+    glm4v_batch,
+    glm4v_multi_image_batch,
+    glm4v_ragged_batch,
+    glm4v_video_batch,
+    tiny_glm4v,
+)
 from tests.helpers.tiny_internvl_smolvlm import (
     internvl_batch,
     internvl_multi_image_batch,
@@ -47,6 +55,13 @@ from tests.helpers.tiny_llava_family import (
     video_llava_multi_image_batch,
     video_llava_video_batch,
 )
+from tests.helpers.tiny_mistral3 import (
+    mistral3_batch,
+    mistral3_multi_image_batch,
+    mistral3_ragged_batch,
+    tiny_mistral3,
+)
+from tests.helpers.tiny_qwen3_5 import tiny_qwen3_5, tiny_qwen3_5_moe
 from tests.helpers.tiny_qwen3_vl import (
     qwen3_vl_batch,
     qwen3_vl_multi_image_batch,
@@ -70,6 +85,11 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "internvl": (tiny_internvl, internvl_batch),
     "smolvlm": (tiny_smolvlm, smolvlm_batch),
     "idefics3": (tiny_idefics3, smolvlm_batch),
+    "mistral3": (tiny_mistral3, mistral3_batch),
+    "glm4v": (tiny_glm4v, glm4v_batch),
+    "qwen3.5": (tiny_qwen3_5, qwen3_vl_batch),
+    "qwen3.5-moe": (tiny_qwen3_5_moe, qwen3_vl_batch),
+    "gemma3": (tiny_gemma3, gemma3_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -98,6 +118,18 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
         "two images": internvl_multi_image_batch,
     },
     "smolvlm": {"ragged": smolvlm_ragged_batch, "two images": smolvlm_multi_image_batch},
+    "mistral3": {"ragged": mistral3_ragged_batch, "two images": mistral3_multi_image_batch},
+    "glm4v": {
+        "ragged": glm4v_ragged_batch,
+        "video": glm4v_video_batch,
+        "two images": glm4v_multi_image_batch,
+    },
+    "qwen3.5": {
+        "ragged": qwen3_vl_ragged_batch,
+        "video": qwen3_vl_video_batch,
+        "two images": qwen3_vl_multi_image_batch,
+    },
+    "gemma3": {"two images": gemma3_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

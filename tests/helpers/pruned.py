@@ -9,9 +9,28 @@ import torch
 
 import priortr
 from tests.helpers.oracle import staged_reference
+from tests.helpers.pruned_reference import pruned_reference
 from tests.helpers.tiny import Batch
 
 NEW_TOKENS = 4
+
+
+def has_local_or_linear_layers(model) -> bool:
+    """Whether the model has layers other than full attention (sliding-window, chunked or linear
+    attention), which the masked reference does not model."""
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    return kinds != {"full_attention"} or getattr(text, "sliding_window", None) is not None
+
+
+def reference_for(model, stages, attention_mask):
+    """The reference a pruned run of ``model`` is compared to: the staged masked reference
+    (``tests.helpers.oracle``), or for models with local or linear-attention layers the reference that
+    runs each layer on the pruned sequence (``tests.helpers.pruned_reference``); both agree on full
+    attention (``tests/engine/test_pruned_reference.py``) and take the same inputs."""
+    if has_local_or_linear_layers(model):
+        return pruned_reference(model, stages, attention_mask)
+    return staged_reference(model, stages, attention_mask)
 
 
 def stage_masks(batch: Batch, result: priortr.PruneResult) -> list[tuple[int, torch.Tensor]]:
@@ -32,6 +51,12 @@ def conversation(batch: Batch, history: torch.Tensor, mask: torch.Tensor) -> Bat
     with ``batch``'s images: a second turn's input."""
     extra = history.shape[1] - batch.seq_len
     mm = batch.mm_token_type_ids
+    inputs = {  # the batch's other inputs; per-token ones (Gemma 3's token_type_ids) grow with the text
+        key: torch.cat([value, value.new_zeros(value.shape[0], extra)], dim=1)
+        if key == "token_type_ids"
+        else value
+        for key, value in batch.extra.items()
+    }
     return Batch(
         history,
         mask,
@@ -41,6 +66,8 @@ def conversation(batch: Batch, history: torch.Tensor, mask: torch.Tensor) -> Bat
         batch.n_visual,
         image_grid_thw=batch.image_grid_thw,
         mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros(mm.shape[0], extra)], dim=1),
+        visual_ids=batch.visual_ids,
+        extra=inputs,
     )
 
 
@@ -54,7 +81,7 @@ def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
 def assert_matches_reference(model, batch, result, logits, out) -> None:
     """Prefill logits of real tokens and greedy generation equal the staged masked reference; the
     stock model differs (so the comparison can fail)."""
-    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
         reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
         expected = generate(model, batch)
     torch.testing.assert_close(logits[real], reference[real], atol=1e-10, rtol=0)
@@ -96,6 +123,8 @@ def row_alone(batch: Batch, row: int) -> dict:
         out["pixel_values"] = batch.pixel_values[first : first + patches[row]]
         out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
         out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
+    if "token_type_ids" in kwargs:  # one per token (Gemma 3): the row's real tokens
+        out["token_type_ids"] = kwargs["token_type_ids"][row, real][None]
     for key, value in kwargs.items():
         if key in out or not isinstance(value, torch.Tensor) or value.shape[0] % batch.batch_size:
             continue

@@ -20,8 +20,15 @@ from priortr.methods.recycling import recycle_counts
 from priortr.probe import cls_attention
 from priortr.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup
-from tests.helpers.oracle import staged_reference
-from tests.helpers.pruned import NEW_TOKENS, conversation, generate, kept_rows, row_alone, stage_masks
+from tests.helpers.pruned import (
+    NEW_TOKENS,
+    conversation,
+    generate,
+    kept_rows,
+    reference_for,
+    row_alone,
+    stage_masks,
+)
 from tests.helpers.tiny import Batch, llava_batch, tiny_llava
 from tests.helpers.tiny_qwen3_vl import INJECTED_LAYERS as DEEPSTACK
 
@@ -55,7 +62,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
         assert cache_layer.keys.shape[2] == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
 
     stages = stage_masks(batch, result)
-    with staged_reference(model, stages, batch.attention_mask), torch.no_grad():
+    with reference_for(model, stages, batch.attention_mask), torch.no_grad():
         reference = model(**batch.kwargs()).logits
         expected_out = generate(model, batch)
     expected, real = kept_rows(reference, result, batch)
@@ -65,7 +72,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
 
     later = [(layer + 1, pruned) for layer, pruned in stages]  # negative control: stages one layer late
     if all(layer < len(priortr.adapters.adapter_for(model).decoder_layers(model)) - 1 for layer, _ in later):
-        with staged_reference(model, later, batch.attention_mask), torch.no_grad():
+        with reference_for(model, later, batch.attention_mask), torch.no_grad():
             wrong, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
         assert (wrong[real] - logits[real]).abs().max() > 1e-6
 
@@ -76,7 +83,7 @@ def test_static_cache_with_stages_matches_staged_reference(family, method):
     static = {"cache_implementation": "static"}
     with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
         out = generate(model, batch, **static)
-    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
         expected = generate(model, batch, **static)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
@@ -109,7 +116,7 @@ def test_second_turn_on_a_cache_pruned_in_stages(method):
     model, batch = setup("llava", 2)
     with priortr.apply(model, method=method, budget=4) as handle, torch.no_grad():
         second = _two_turns(model, batch)
-    with staged_reference(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, handle.last), batch.attention_mask), torch.no_grad():
         expected = _two_turns(model, batch, reference=True)
     assert torch.equal(second.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(second.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
@@ -176,7 +183,7 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
         priortr.adapters.adapter_for(model).decoder_layers(model)[layer].register_forward_hook(write_merged)
     )
     try:
-        with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+        with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
             reference = model(**batch.kwargs()).logits
             expected_out = generate(model, batch)
     finally:
@@ -186,7 +193,7 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
     assert torch.equal(out.sequences, expected_out.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected_out.logits), atol=1e-10, rtol=0)
 
-    with staged_reference(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
+    with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
         unmerged, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
     assert (unmerged[real] - logits[real]).abs().max() > 1e-6, "merging must change the outputs"
 
@@ -197,6 +204,12 @@ def _first_layer(method: str) -> int:
     return config.plan(16, 4)[0][0]
 
 
+HYBRID = ("qwen3.5", "qwen3.5-moe")
+"""Families with linear-attention layers: on the tiny models only layer 1 can be scored, so one-layer
+methods score it there and methods that score several layers cannot run (refusal tested in
+tests/families/test_local_and_linear_attention.py)."""
+
+
 def _cases() -> list[tuple[str, str]]:
     """Every method on every family that can run it: [CLS] methods need a tower with [CLS] (LLaVA,
     Video-LLaVA images); Qwen3-VL refuses stages before its last DeepStack layer (tested below)."""
@@ -204,11 +217,15 @@ def _cases() -> list[tuple[str, str]]:
     for method in priortr.available_methods():
         if method == "test-merge":
             continue
-        if priortr.get_method(method).needs & VISION_NEEDS:
+        info = priortr.get_method(method)
+        if info.needs & VISION_NEEDS:
             families = ["llava", "video-llava"]
         else:
             families = [
-                f for f in FAMILIES if not (f.startswith("qwen3") and _first_layer(method) < DEEPSTACK - 1)
+                f
+                for f in FAMILIES
+                if not (f.startswith("qwen3-vl") and _first_layer(method) < DEEPSTACK - 1)
+                and not (f in HYBRID and info.where == "layers")
             ]
         cases += [(family, method) for family in families]
     return cases
@@ -229,7 +246,14 @@ def _survivors(method: str, stages: list[tuple[int, int]], n_visual: int) -> int
 def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method):
     model, batch = setup(family, 2)
     budget = 6
-    with priortr.apply(model, method=method, budget=budget) as handle, torch.no_grad():
+    layer = {"layer": 1} if family in HYBRID and priortr.get_method(method).where == "layer" else {}
+    # The stock model's own batch-vs-row noise (Gemma 3: ~1.5e-7 in float64, its float32 RoPE angles of
+    # left-padded rows' absolute positions) bounds how closely a pruned batch can match its rows.
+    with torch.no_grad():
+        stock = model(**batch.kwargs()).logits[:, -1]
+        noise = max((model(**row_alone(batch, r)).logits[0, -1] - stock[r]).abs().max() for r in range(2))
+    tolerance = max(1e-7, 4 * float(noise))
+    with priortr.apply(model, method=method, budget=budget, **layer) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits[:, -1]
         kept = handle.last.kept - handle.last.visual_start[:, None]
         n_layers = len(priortr.adapters.adapter_for(model).decoder_layers(model))
@@ -240,7 +264,7 @@ def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method
         for row in range(batch.batch_size):
             alone = model(**row_alone(batch, row)).logits[:, -1]
             assert torch.equal(handle.last.kept - handle.last.visual_start[:, None], kept[row : row + 1])
-            torch.testing.assert_close(alone[0], logits[row], atol=1e-7, rtol=0)
+            torch.testing.assert_close(alone[0], logits[row], atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("method", sorted(set(priortr.available_methods()) - {"test-merge"}))

@@ -5,11 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.gemma3 import Gemma3Adapter
+from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
+from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
 from priortr.adapters.video_llava import VideoLlavaAdapter
 
@@ -65,6 +69,10 @@ register_adapter(Idefics3Adapter())
 register_adapter(LlavaNextAdapter())
 register_adapter(LlavaOnevisionAdapter())
 register_adapter(VideoLlavaAdapter())
+register_adapter(Mistral3Adapter())
+register_adapter(Glm4vAdapter())
+register_adapter(Qwen3_5Adapter())
+register_adapter(Gemma3Adapter())
 
 __all__ = [
     "FamilyAdapter",

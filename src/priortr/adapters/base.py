@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from priortr.probe import apply_rope
+from priortr.surgery import gather_sequence
+
 
 @dataclass(frozen=True)
 class VisionProbe:
@@ -154,6 +157,28 @@ class FamilyAdapter:
         The model would derive them from the cache length, which pruning shortened.
         """
         return text_positions
+
+    def attention_layers(self, model: nn.Module) -> list[int]:
+        """The decoder layers whose token mixer is softmax attention over the sequence (their q/k
+        projections can be recomputed into attention rows); all of them unless a family mixes in other
+        layers (Qwen3.5's linear attention), whose layers no method can score."""
+        return list(range(len(self.decoder_layers(model))))
+
+    def gather_rope(self, rope: tuple[torch.Tensor, ...], index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The position embeddings a decoder layer receives (``(cos, sin)``, each [B or 1, S, r]) at the
+        positions ``index`` [B, S'] of its sequence."""
+        return tuple(gather_sequence(part, index) for part in rope)
+
+    def rotate(self, attention: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Queries or keys ``x`` [B, H, S, d] rotated as ``attention`` rotates them, by the position
+        embeddings ``rope`` of those S tokens (rotate-half RoPE over the first ``r`` dimensions)."""
+        cos, sin = rope
+        return apply_rope(x, cos, sin)
+
+    def inverse_rope(self, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Position embeddings that undo ``rope`` (the rotation by the opposite angle)."""
+        cos, sin = rope
+        return cos, -sin
 
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor

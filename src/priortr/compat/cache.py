@@ -3,31 +3,48 @@
 transformers' caches are a list of per-layer objects (``cache.layers``); each layer type keeps its keys
 and values its own way. Pruning needs three operations on a layer: ``compact`` (keep some of the
 prompt's entries, in place, during the prefill), and ``guard`` / ``unguard`` (a pruned cache's first
-layer refuses calls no attached engine claimed; see ``priortr.engine.ledger``). ``LAYER_OPERATIONS``
-maps each layer type priortr can prune to them; a cache with any other layer type in the pruned layers
-is refused (``check_prunable``).
+key-value layer refuses calls no attached engine claimed; see ``priortr.engine.ledger``).
+``LAYER_OPERATIONS`` maps each key-value layer type priortr can prune to them: full attention's, and the
+window caches of sliding and chunked layers, which keep the tail of what their layer saw. State layers
+(``STATE_LAYERS``: linear attention's recurrent and convolution states) hold nothing per token and are
+left as they are. A cache with any other layer type in the pruned layers is refused
+(``check_prunable``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 
 from priortr.compat.calls import CACHE_NAMES
 from priortr.compat.release import refuse
 from priortr.surgery import gather_sequence
 
 CLAIMED = "_priortr_claimed"
+SPOILED = "_priortr_spoiled"
 
 UNCLAIMED = (
     "this KV cache was pruned by priortr, and no priortr pruning is attached to the model continuing it "
     "(the handle was removed, or the cache went to another model): the stock model would read it with "
     "wrong positions. Continue it with priortr.apply(model, ...) attached (any method: the cache carries "
     "what it needs), or start a new cache"
+)
+
+SPOILED_MESSAGE = (
+    "this pruned cache was already continued once without priortr attached, and that call was refused only "
+    "after the model's linear-attention layers before its first attention layer had stepped their states "
+    "(Qwen3.5): the cache no longer stands for the conversation. Start a new cache"
 )
 
 
@@ -50,6 +67,41 @@ def _compact_static(layer: Any, index: torch.Tensor, seq_len: int) -> None:
     layer.cumulative_length.fill_(kept)
 
 
+def _window_tail(
+    index: torch.Tensor, seq_len: int, stored: int, slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a window cache holding the last ``stored`` of ``seq_len`` columns: the slots, in it, of the
+    last ``slots`` kept columns ``index`` [B, S'], and which of them it holds. The others are older
+    than the window's tail, so out of every later query's window: they stay zero and are never seen."""
+    source = index[:, -slots:] - (seq_len - stored)  # [B, n]
+    return source.clamp(min=0), source >= 0
+
+
+def _compact_dynamic_window(layer: Any, index: torch.Tensor, seq_len: int) -> None:
+    """A sliding (or chunked) layer's cache keeps the last ``window - 1`` tokens its layer saw: after the
+    prune, the last ``window - 1`` kept ones, as if its layer had run on them; its length becomes S'."""
+    slots = min(index.shape[1], layer.sliding_window - 1)
+    source, held = _window_tail(index, seq_len, layer.keys.shape[2], slots)
+    for name in ("keys", "values"):
+        kept = gather_sequence(getattr(layer, name), source, dim=2)
+        setattr(layer, name, kept * held[:, None, :, None].to(kept.dtype))
+    layer.cumulative_length = index.shape[1]
+
+
+def _compact_static_window(layer: Any, index: torch.Tensor, seq_len: int) -> None:
+    """The static window cache (``max_cache_len`` slots holding the last tokens seen, in order) the same
+    way, in place; its host-side count of tokens seen becomes S', its slot counter the slots filled."""
+    capacity = layer.max_cache_len
+    slots = min(index.shape[1], capacity)
+    source, held = _window_tail(index, seq_len, min(layer.cumulative_length_int, capacity), slots)
+    for store in (layer.keys, layer.values):
+        kept = gather_sequence(store, source, dim=2) * held[:, None, :, None].to(store.dtype)
+        store[:, :, :slots].copy_(kept)
+        store[:, :, slots:].zero_()
+    layer.cumulative_length_int = index.shape[1]
+    layer.cumulative_length.fill_(slots)
+
+
 def _guarded(plain: type, name: str) -> type:
     """A subclass of the cache layer class ``plain`` for the first layer of a pruned cache: ``update``
     runs only in a call that an attached engine claimed. (A direct subclass, so that an existing layer's
@@ -61,6 +113,7 @@ def _guarded(plain: type, name: str) -> type:
 
         def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not self._priortr_claimed:
+                setattr(self, SPOILED, True)  # state layers before this one may have stepped already
                 raise ValueError(UNCLAIMED)
             self._priortr_claimed = False
             return super().update(*args, **kwargs)
@@ -77,23 +130,38 @@ def _guarded(plain: type, name: str) -> type:
 
 GuardedDynamicLayer = _guarded(DynamicLayer, "GuardedDynamicLayer")
 GuardedStaticLayer = _guarded(StaticLayer, "GuardedStaticLayer")
+GuardedDynamicSlidingWindowLayer = _guarded(DynamicSlidingWindowLayer, "GuardedDynamicSlidingWindowLayer")
+GuardedStaticSlidingWindowLayer = _guarded(StaticSlidingWindowLayer, "GuardedStaticSlidingWindowLayer")
 
 
 @dataclass(frozen=True)
 class LayerOperations:
     """What priortr does to one type of cache layer: ``compact(layer, index [B, S'], prompt length)``,
     and the guarded subclass its first layer becomes once the prefill is pruned; ``static``: its slots
-    are preallocated (keys span ``max_cache_len`` in every call, and its length is a device tensor)."""
+    are preallocated (keys span ``max_cache_len`` in every call, and its length is a device tensor);
+    ``window``: it keeps only a local window's last tokens."""
 
     compact: Callable[[Any, torch.Tensor, int], None]
     guarded: type
     static: bool
+    window: bool = False
 
 
 LAYER_OPERATIONS: dict[type, LayerOperations] = {
     DynamicLayer: LayerOperations(_compact_dynamic, GuardedDynamicLayer, static=False),
     StaticLayer: LayerOperations(_compact_static, GuardedStaticLayer, static=True),
+    DynamicSlidingWindowLayer: LayerOperations(
+        _compact_dynamic_window, GuardedDynamicSlidingWindowLayer, static=False, window=True
+    ),
+    StaticSlidingWindowLayer: LayerOperations(
+        _compact_static_window, GuardedStaticSlidingWindowLayer, static=True, window=True
+    ),
 }
+
+STATE_LAYERS = (LinearAttentionCacheLayerMixin,)
+"""Cache layers of a fixed-size state per sequence (linear attention's recurrent and convolution states):
+nothing per token to remove. The state of a layer up to the scored one has absorbed every prompt token;
+that of a later layer only the kept ones, since its layer ran on them."""
 _PLAIN = {operations.guarded: plain for plain, operations in LAYER_OPERATIONS.items()}
 
 
@@ -106,9 +174,15 @@ def layers(cache: Any) -> list:
     return list(cache.layers)
 
 
+def key_value_layers(cache: Any, count: int | None = None) -> list:
+    """The layers among the first ``count`` (all by default) that hold per-token keys and values."""
+    return [layer for layer in layers(cache)[:count] if not isinstance(layer, STATE_LAYERS)]
+
+
 def first_layer(cache: Any) -> Any:
-    """Layer 0 of the cache: every forward pass updates it first. None while a lazy cache has none."""
-    return cache.layers[0] if cache.layers else None
+    """The first key-value layer of the cache: every forward pass updates it before any other key-value
+    layer. None while a lazy cache has none."""
+    return next(iter(key_value_layers(cache)), None)
 
 
 def length(cache: Any) -> int | torch.Tensor:
@@ -129,21 +203,42 @@ def is_static(cache: Any) -> bool:
     return any(operations.static for operations in map(_operations, layers(cache)) if operations)
 
 
-def check_prunable(cache: Any, layer: int) -> None:
-    """Refuse caches whose layers ``0 .. layer`` cannot be compacted (sliding windows, quantised or
-    offloaded caches)."""
+def key_length(cache: Any, layer: int, tokens: int) -> int:
+    """How many keys decoder layer ``layer`` attends over when it runs on ``tokens`` new ones (its cache's
+    mask size: every preallocated slot of a static cache). Host arithmetic: nothing is read back."""
+    return tokens if cache is None else int(cache.get_mask_sizes(tokens, layer)[0])
+
+
+def max_length(cache: Any) -> int:
+    """The most tokens a static cache's key-value layers hold (their preallocated slots)."""
+    return max(int(layer.max_cache_len) for layer in key_value_layers(cache))
+
+
+def check_prunable(cache: Any, layer: int, local: Sequence[bool] | None = None) -> None:
+    """Refuse caches whose layers ``0 .. layer`` cannot be compacted (quantised or offloaded caches), and a
+    window cache on a decoder layer that attends globally (``local[i]``: whether layer i has a local
+    window; such a cache would drop keys the layer's positions still reach); state layers are left as
+    they are."""
     for index, cache_layer in enumerate(layers(cache)[: layer + 1]):
-        if _operations(cache_layer) is None:
+        operations = _operations(cache_layer)
+        if operations is None and not isinstance(cache_layer, STATE_LAYERS):
             kinds = ", ".join(kind.__name__ for kind in LAYER_OPERATIONS)
             raise ValueError(
                 f"cache layer {index} is a {type(cache_layer).__name__}; priortr can prune only {kinds} "
                 "layers (use cache_implementation='dynamic' or 'static')"
             )
+        if operations is not None and operations.window and local is not None and not local[index]:
+            raise ValueError(
+                f"cache layer {index} is a {type(cache_layer).__name__}, which keeps only a window's last "
+                f"tokens, but decoder layer {index} attends to every token; pass the model's own cache "
+                "(cache_implementation='dynamic' or 'static')"
+            )
 
 
 def compact(cache: Any, index: torch.Tensor, seq_len: int, n_layers: int) -> None:
-    """Keep positions ``index`` [B, S'] (ascending) of the first ``n_layers`` layers' prompt entries."""
-    for cache_layer in layers(cache)[:n_layers]:
+    """Keep columns ``index`` [B, S'] (the kept tokens in order, after the fillers of ragged rows) of the
+    prompt entries of the first ``n_layers`` layers' key-value caches."""
+    for cache_layer in key_value_layers(cache, n_layers):
         if getattr(cache_layer, "keys", None) is None or cache_layer.keys.numel() == 0:
             raise ValueError("cannot prune an empty cache layer; pruning happens during the prefill")
         _operations(cache_layer).compact(cache_layer, index, seq_len)
@@ -161,10 +256,20 @@ def unguard(layer: Any) -> None:
     if type(layer) in _PLAIN:
         layer.__class__ = _PLAIN[type(layer)]
         layer.__dict__.pop(CLAIMED, None)
+        layer.__dict__.pop(SPOILED, None)
 
 
 def is_guarded(cache: Any) -> bool:
     return type(first_layer(cache)) in _PLAIN
+
+
+def check_unspoiled(cache: Any) -> None:
+    """Refuse a pruned ``cache`` whose state layers a refused, unclaimed call may have stepped before its
+    first key-value layer refused it (``SPOILED_MESSAGE``)."""
+    if getattr(first_layer(cache), SPOILED, False) and any(
+        isinstance(layer, STATE_LAYERS) for layer in layers(cache)
+    ):
+        raise ValueError(SPOILED_MESSAGE)
 
 
 def claim(cache: Any) -> None:
@@ -178,8 +283,10 @@ def new(model: Any) -> Any:
 
 
 def byte_size(cache: Any) -> int:
-    """Bytes the cache's keys and values take."""
-    return sum(t.numel() * t.element_size() for layer in layers(cache) for t in (layer.keys, layer.values))
+    """Bytes the cache's keys and values take (state layers, which pruning leaves as they are, apart)."""
+    return sum(
+        t.numel() * t.element_size() for layer in key_value_layers(cache) for t in (layer.keys, layer.values)
+    )
 
 
 def of_output(output: Any) -> Any:

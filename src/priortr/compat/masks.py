@@ -13,15 +13,19 @@ refused when pruning is attached.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import masking_utils
 
+from priortr.compat import layers
 from priortr.surgery import gather_sequence
 
 
-def _padding_mask(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def padding_mask(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 2D padding mask: FlashAttention's, and the only mask of a layer without attention over the
+    sequence (linear attention zeroes masked inputs, ``create_recurrent_attention_mask``)."""
     return (~hidden).long()
 
 
@@ -42,7 +46,7 @@ ExplicitMask = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 EXPLICIT: dict[Callable, ExplicitMask] = {
     masking_utils.sdpa_mask: _boolean_mask,
     masking_utils.eager_mask: _additive_mask,
-    masking_utils.flash_attention_mask: _padding_mask,
+    masking_utils.flash_attention_mask: padding_mask,
 }
 """transformers' mask builder for an implementation -> the mask priortr builds for it, given the keys to
 hide [B, S] and a float dtype: a boolean 4D mask (SDPA), an additive one (eager), 2D padding (flash)."""
@@ -83,20 +87,23 @@ def padding(attention_mask: Any, batch: int, seq: int, device: torch.device) -> 
             )
         return attention_mask.bool().to(device)
     if attention_mask.ndim == 4:
-        last_row = attention_mask[:, 0, -1, :seq]  # the last query sees every non-padding key
-        valid = last_row if last_row.dtype == torch.bool else last_row == 0
-        return valid.expand(batch, seq).to(device)
+        # Every real key is seen by its own query, padding by none; the last query alone would miss the
+        # keys outside a sliding window or chunk.
+        rows = attention_mask[:, 0, :, :seq]
+        allowed = rows if rows.dtype == torch.bool else rows == 0
+        return allowed.any(dim=1).expand(batch, seq).to(device)
     raise ValueError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
 
 
-def gather(mask: torch.Tensor | None, index: torch.Tensor, seq_len: int, static_slots: bool) -> Any:
+def gather(mask: torch.Tensor | None, index: torch.Tensor, seq_len: int, key_length: int) -> Any:
     """The mask a decoder layer should see once only ``index`` [B, S'] positions are left.
 
     ``None`` (implicit causal, SDPA without padding) stays ``None``: kept tokens are in order, so the
-    short sequence is still causal. A 2D padding mask (FlashAttention) keeps the indexed columns. A 4D
-    mask [B, 1, S, S_kv] keeps the indexed rows and columns. With a static cache (``static_slots``),
-    keys always span the S_kv preallocated slots: the prompt's kept columns move to the front, like the
-    compacted cache entries, and every other column is masked.
+    short sequence is still causal. A 2D padding mask (FlashAttention; linear attention) keeps the
+    indexed columns. A 4D mask [B, 1, S, S_kv] keeps the indexed rows and columns, so a local window or a
+    bidirectional image block it encodes stays in the prompt's own positions. Where the layer attends
+    over more than the S' kept tokens (``key_length``: a static cache's preallocated slots), the kept
+    columns come first, like the compacted cache entries, and every other column is masked.
     """
     if mask is None:
         return None
@@ -106,9 +113,9 @@ def gather(mask: torch.Tensor | None, index: torch.Tensor, seq_len: int, static_
         raise ValueError(f"unsupported attention mask of shape {tuple(mask.shape)}; expected None, 2D or 4D")
     rows = gather_sequence(mask, index, dim=2)  # [B, 1, S', S_kv]
     kept_cols = gather_sequence(rows[..., :seq_len], index, dim=3)  # [B, 1, S', S']
-    if not static_slots:
+    if key_length == index.shape[1]:
         return kept_cols
-    out = torch.full_like(rows, _masked_value(mask))
+    out = kept_cols.new_full((*kept_cols.shape[:3], key_length), _masked_value(mask))
     out[..., : index.shape[1]] = kept_cols
     return out
 
@@ -131,20 +138,20 @@ def for_kept_layer(
     mask: Any,
     index: torch.Tensor,
     seq: int,
-    static_slots: bool,
+    key_length: int,
     hidden: torch.Tensor | None,
     explicit: ExplicitMask,
     dtype: torch.dtype,
 ) -> Any:
-    """The mask of a layer after the prune (``gather``), with the key columns ``hidden`` [B, S'] masked
-    (fillers of ragged rows; None when there are none); ``explicit`` builds one where the model passed
-    none, in ``dtype`` where it is additive."""
+    """The mask of a layer after the prune (``gather``, to ``key_length`` keys), with the key columns
+    ``hidden`` [B, S'] masked (fillers of ragged rows; None when there are none); ``explicit`` builds one
+    where the model passed none, in ``dtype`` where it is additive."""
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise ValueError(
             f"priortr cannot prune with a {type(mask).__name__} attention mask (flex attention); "
             "load the model with attn_implementation='sdpa', 'eager' or 'flash_attention_2'"
         )
-    mask = gather(mask, index, seq, static_slots)
+    mask = gather(mask, index, seq, key_length)
     if hidden is None:
         return mask
     if mask is None:
@@ -178,3 +185,63 @@ def first_query_rows(mask: Any, rows: int) -> Any:
 def implementation(model: Any) -> str:
     """The attention implementation the language model runs (``config._attn_implementation``)."""
     return getattr(model.config.get_text_config(), "_attn_implementation", None) or "sdpa"
+
+
+@dataclass(frozen=True)
+class WindowPositions:
+    """The text positions of a pruned cache's slots, for local windows: the cached prompt tokens'
+    ``kept`` [B, S'] (``kept_length`` S' of them), then one per later token from ``next`` [B] on."""
+
+    kept: torch.Tensor
+    next: torch.Tensor
+    kept_length: int
+
+    def of_slots(self, batch: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Text positions of cache slots ``slot`` of rows ``batch`` (mask-function indices, broadcast)."""
+        prompt = self.kept[batch, slot.clamp(max=self.kept_length - 1)]
+        return torch.where(slot < self.kept_length, prompt, self.next[batch] + slot - self.kept_length)
+
+
+def windowed(
+    text_config: Any,
+    cache: Any,
+    padding: torch.Tensor | None,
+    positions: WindowPositions,
+    new: int,
+    dtype: torch.dtype,
+    prepared: Any = None,
+) -> Any:
+    """The masks of a call that continues a pruned cache in a model with local attention layers.
+
+    transformers builds a local layer's mask over cache slots, and after pruning a slot is no longer a
+    position: the window must count the tokens' own positions. Each local layer type gets transformers'
+    ``create_causal_mask`` over its own cache layer's slots, with ``padding`` [B, K] (the pruned cache's
+    2D mask; None when no slot is masked) and its window over ``positions``; a global type keeps the mask
+    ``generate()`` ``prepared`` for it (static caches, fillers already hidden) or gets the causal one. A
+    model with one layer type gets that mask, one with several the dict by type its text model takes.
+    """
+    kinds = layers.types(text_config)
+    local = layers.windows(text_config)
+    kept = positions.kept
+    stub = torch.empty((kept.shape[0], new, 0), dtype=dtype, device=kept.device)  # shape, dtype, device
+    masks = {}
+    for kind in dict.fromkeys(kinds):
+        first = kinds.index(kind)
+        window = local[first]
+        if window is None and kind != "full_attention":
+            raise ValueError(
+                f"priortr cannot continue a pruned cache of a model with {kind} and local layers"
+            )
+        if window is None and isinstance(prepared, dict) and kind in prepared:
+            masks[kind] = prepared[kind]
+            continue
+        visible = None
+        if window is not None:
+
+            def visible(batch, head, query, slot, window=window):
+                return window.visible(positions.of_slots(batch, query), positions.of_slots(batch, slot))
+
+        masks[kind] = masking_utils.create_causal_mask(
+            text_config, stub, padding, cache, None, and_mask_function=visible, layer_idx=first
+        )
+    return masks if getattr(text_config, "layer_types", None) else masks[kinds[0]]

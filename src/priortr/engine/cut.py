@@ -63,16 +63,21 @@ def cut(
         lengths[pool.row] += pool.size
     width = max(lengths)
     filler = None
+    order = torch.where(keep, 0, 2)  # 0: kept, 2: dropped
     if any(length < width for length in lengths):
         missing = to_device(torch.tensor([width - length for length in lengths]), keep.device)
         dropped = ~keep
         filler = dropped & (dropped.long().cumsum(dim=1) <= missing[:, None])
-        keep = keep | filler
-    index = torch.argsort(~keep, dim=1, stable=True)[:, :width]  # [B, S''] kept columns, ascending
+        # 0: left padding, 1: filler, 2: kept token, 3: dropped
+        order = torch.where(filler, 1, torch.where(keep, 2 * sequence.valid.long(), 3))
+    # Fillers go right after the row's left padding, before every kept token: a layer that carries a state
+    # along the sequence (linear attention) starts from nothing over them, as over the padding.
+    index = torch.argsort(order, dim=1, stable=True)[:, :width]  # [B, S'']
     out = gather_sequence(hidden, index)
     merges = [decision for decision in decisions if decision.selection.merge is not None]
     if merges:
-        slot = keep.long().cumsum(dim=1) - 1  # [B, S'] new column of every kept column
+        columns = torch.arange(width, device=index.device).expand_as(index)
+        slot = torch.zeros_like(order).scatter(1, index, columns)  # [B, S'] new column of every kept column
         for decision in merges:
             _merge(out, slot, decision)
     if cache is not None and cached_layers > 0:

@@ -23,16 +23,16 @@ import torch
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.checks import value_checks
+from priortr.compat.layers import Window
 from priortr.engine.config import PruningConfig
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.sequence import SequenceMap
 from priortr.host import to_device
 from priortr.methods import MethodInfo
 from priortr.pools import Pool
-from priortr.probe import RowSpec, apply_rope, attention_rows, cls_attention, cls_attention_concatenated
+from priortr.probe import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
 from priortr.scoring import aggregate_heads, build_evidence
 from priortr.selection import StageInputs
-from priortr.surgery import gather_sequence
 
 
 @dataclass
@@ -118,21 +118,36 @@ def stage_inputs(
     return StageInputs(budget=group.budget, hidden=visual_hidden, seed=config.seed, **fields)
 
 
+def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
+    """The keys each recomputed row ``rows`` [B, R] sees: causal, valid, and in the layer's ``window``
+    (counted in the prompt's own text positions)."""
+    if window is None:
+        return RowSpec(rows, sequence.key_valid())
+    positions = plan.text_positions
+    if sequence.positions is not None:
+        positions = positions.gather(1, sequence.positions)
+    return RowSpec(rows, sequence.key_valid(), window.visible, positions)
+
+
 def attention_at_layer(
-    plan: PrefillPlan, sequence: SequenceMap, captured: dict[str, Any], adapter: FamilyAdapter
+    plan: PrefillPlan,
+    sequence: SequenceMap,
+    captured: dict[str, Any],
+    adapter: FamilyAdapter,
+    window: Window | None = None,
 ) -> torch.Tensor:
     """Attention [B, H, R, S'] of every batch row's recomputed text rows (``plan.rows``) over the current
-    sequence at the scored layer, from its captured projections and RoPE."""
+    sequence at the scored layer, from its captured projections and RoPE, within its local ``window``."""
     module = captured["attention"]
     queries, keys = adapter.queries_and_keys(module, captured["q"], captured["k"])
     rows = sequence.columns_of_rows(plan.rows)  # [B, R]
-    cos, sin = captured["rope"]
+    rope = captured["rope"]
     picked = queries.gather(
         2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
     )
-    picked = apply_rope(picked, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
-    keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
-    return attention_rows(picked, keys, RowSpec(rows, sequence.key_valid()), adapter.scaling(module))
+    picked = adapter.rotate(module, picked, adapter.gather_rope(rope, rows))  # [B, H, R, d]
+    keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
+    return attention_rows(picked, keys, row_spec(plan, sequence, rows, window), adapter.scaling(module))
 
 
 def next_layer_attention(
@@ -142,10 +157,12 @@ def next_layer_attention(
     layer: torch.nn.Module,
     rope: tuple[torch.Tensor, torch.Tensor],
     adapter: FamilyAdapter,
+    window: Window | None = None,
 ) -> torch.Tensor:
     """Attention [B, H, R, S'] of the recomputed text rows as decoder layer ``layer`` would compute it on
     its input ``hidden`` [B, S', D] (the scored layer's output), before it runs: its input norm, query
-    and key projections, the adapter's q/k norms, and RoPE ``rope`` (cos, sin) [B or 1, S', d].
+    and key projections, the adapter's q/k norms, RoPE ``rope`` (cos, sin) [B or 1, S', d] and its local
+    ``window``.
 
     PyramidDrop ranks at a stage boundary with the first layer of the next stage (``rank_layer =
     layer_idx + 1`` in ``modeling_llama_pdrop.py``, Xing et al., CVPR 2025)."""
@@ -156,10 +173,9 @@ def next_layer_attention(
     queries, keys = adapter.queries_and_keys(
         module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
     )
-    cos, sin = rope
-    queries = apply_rope(queries, gather_sequence(cos, rows), gather_sequence(sin, rows))  # [B, H, R, d]
-    keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
-    return attention_rows(queries, keys, RowSpec(rows, sequence.key_valid()), adapter.scaling(module))
+    queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
+    keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
+    return attention_rows(queries, keys, row_spec(plan, sequence, rows, window), adapter.scaling(module))
 
 
 def token_evidence(
@@ -186,13 +202,13 @@ def token_evidence(
     fields: dict[str, torch.Tensor] = {"text_after": to_device(after, device)}
     if "keys" in needs:
         start = plan.valid.int().argmax(dim=1)[:, None]  # [B, 1] each row's first real token
-        _, keys = adapter.queries_and_keys(captured["attention"], captured["q"], captured["k"])
-        cos, sin = captured["rope"]
+        module, rope = captured["attention"], captured["rope"]
+        _, keys = adapter.queries_and_keys(module, captured["q"], captured["k"])
         first = sequence.columns_of_rows(start)  # [B, 1]
-        keys = apply_rope(keys, cos, sin)  # [B, Hkv, S', d]
+        keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
         # RoPE phases as if each row's first real token sat at position 0 (the authors' batch of one;
         # generate() numbers left-padded rows so already): rotate back by that token's own phase.
-        keys = apply_rope(keys, gather_sequence(cos, first), -gather_sequence(sin, first))
+        keys = adapter.rotate(module, keys, adapter.inverse_rope(adapter.gather_rope(rope, first)))
         keys = keys.transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
         fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
         fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]

@@ -52,6 +52,8 @@ class PruningEngine:
         self.config = config
         self.multimodal = adapter.multimodal_model(model)
         self.layers = adapter.decoder_layers(model)
+        self.attention_layers = frozenset(adapter.attention_layers(model))
+        self.windows = compat.layers.windows(model.config.get_text_config())
         self.vision = adapter.vision_probe(model) if config.method.needs & VISION_NEEDS else None
         self.calls, self.layer_calls = compat.calls.resolve(self.multimodal, self.layers)
         self.explicit_mask = compat.masks.explicit_mask_builder(compat.masks.implementation(model))
@@ -157,6 +159,7 @@ class PruningEngine:
         empty = not decode_step and (cache is None or compat.cache.length(cache) == 0)
         if ledger is not None:
             if not empty:  # a decode step or a later chat turn
+                compat.cache.check_unspoiled(cache)
                 continue_call(ledger, call, self.adapter, self.model, self.config.strict)
                 compat.cache.claim(cache)
                 return call.hook_result()
@@ -191,7 +194,16 @@ class PruningEngine:
         if self.vision is not None:
             vision = (self.vision, self._vision_captures.setdefault(thread, {}))
         norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
-        prefill = Prefill(plan, self.config, self.adapter, vision, self.explicit_mask, norm)
+        prefill = Prefill(
+            plan,
+            self.config,
+            self.adapter,
+            vision,
+            self.explicit_mask,
+            norm,
+            self.attention_layers,
+            self.windows,
+        )
         self._last = None
         self._record = prefill.record
         if not plan.stages:  # nothing to prune: the call runs whole

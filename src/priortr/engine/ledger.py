@@ -39,6 +39,9 @@ class CacheLedger:
             first S' columns of every later 2D mask.
         filler: [B, S'] bool, True at cached fillers (ragged batches), or None.
         next_position: [B] the text position of the token after the prompt.
+        kept_positions: [B, S'] the text positions of the cached prompt tokens (local attention windows
+            count them, not cache slots).
+        masked: whether any cached prompt slot is masked (left padding or fillers).
     """
 
     prompt_length: int
@@ -46,6 +49,8 @@ class CacheLedger:
     prompt_mask: torch.Tensor
     filler: torch.Tensor | None
     next_position: torch.Tensor
+    kept_positions: torch.Tensor
+    masked: bool
 
     @property
     def dropped(self) -> int:
@@ -104,6 +109,17 @@ def continue_call(
         positions = ledger.next_position[:, None] + (length - ledger.kept_length) + steps
         call.position_ids = adapter.continuation_position_ids(model, positions)
     call.attention_mask = _mask(ledger, call.attention_mask, new, cache, cached)
+    text_config = model.config.get_text_config()
+    if any(window is not None for window in compat.layers.windows(text_config)):
+        padding = call.attention_mask
+        if not (isinstance(padding, torch.Tensor) and padding.ndim == 2):
+            padding = _padding(ledger, new, cache, cached) if ledger.masked else None
+        positions = compat.masks.WindowPositions(
+            ledger.kept_positions, ledger.next_position, ledger.kept_length
+        )
+        call.attention_mask = compat.masks.windowed(
+            text_config, cache, padding, positions, new, model.dtype, call.attention_mask
+        )
 
 
 def _align(ledger: CacheLedger, call: compat.calls.ModelCall, new: int, cached: int) -> int:
@@ -149,6 +165,15 @@ def _sliced_by_positions(
     raise ValueError(
         "the inputs do not continue the pruned cache: expected text positions starting at "
         f"{expected.tolist()}, got {first.tolist()}"
+    )
+
+
+def _padding(ledger: CacheLedger, new: int, cache: Any, cached: int | None) -> torch.Tensor:
+    """[B, K] the padding mask of the cache's tokens and the call's: the prompt's cached tokens as the
+    ledger has them, every later token real; K covers the cache's slots (all of a static cache's)."""
+    later = (cached if cached is not None else compat.cache.max_length(cache)) - ledger.kept_length + new
+    return torch.cat(
+        [ledger.prompt_mask, ledger.prompt_mask.new_ones(ledger.prompt_mask.shape[0], later)], dim=1
     )
 
 

@@ -45,6 +45,10 @@ class PoolRows:
 class PrefillPlan:
     """Everything about one prefill that is known before the first stage, mostly as host values.
 
+    ``text_positions`` [B, S] are the prompt's text positions as the model numbers them (from the
+    position ids the call passed, else ``0 .. S-1``), ``next_position`` [B] the one after the prompt;
+    ``padded`` says whether any row is left-padded.
+
     ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
     tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
     a scored layer: every non-padding text token of the row from its earliest separator on (0 where a
@@ -58,6 +62,8 @@ class PrefillPlan:
     valid: torch.Tensor
     text_tokens: list[int]
     next_position: torch.Tensor
+    text_positions: torch.Tensor
+    padded: bool
     rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
@@ -82,10 +88,10 @@ def make_plan(
     if host is None:
         return skip_prefill(config, "the prompt has no image tokens")
     text_positions = adapter.text_positions(model, call.position_ids)
-    if text_positions is None:
-        next_position = torch.full((batch,), seq, device=device)
-    else:
-        next_position = text_positions.amax(dim=-1).expand(batch) + 1
+    if text_positions is None:  # the model numbers the prompt 0 .. S-1, left padding included
+        text_positions = torch.arange(seq, device=device)
+    text_positions = text_positions.expand(batch, seq)
+    next_position = text_positions.amax(dim=-1) + 1
     plan = PrefillPlan(
         seq=seq,
         pools=[pool.to(device) for pool in host.pools],
@@ -94,6 +100,8 @@ def make_plan(
         valid=valid,
         text_tokens=host.text_tokens,
         next_position=next_position,
+        text_positions=text_positions,
+        padded=host.padded,
         pool_rows=host.pool_rows,
     )
     if host.rows is not None:
@@ -109,6 +117,7 @@ class HostPlan:
     stages: list[int]
     visual: torch.Tensor
     text_tokens: list[int]
+    padded: bool
     rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
@@ -149,6 +158,7 @@ def plan_on_host(
         stages=sorted({layer for pool in pools for layer in pool.stages}),
         visual=visual,
         text_tokens=(seq - visual.sum(dim=1)).tolist(),
+        padded=not bool(valid.all()),
     )
     if config.method.needs & ROW_EVIDENCE:
         _lay_out_rows(host, visual, valid, config, adapter.separator_token)

@@ -29,9 +29,8 @@ from priortr.engine.evidence import (
 )
 from priortr.engine.ledger import CacheLedger, write_ledger
 from priortr.engine.plan import PrefillPlan
-from priortr.engine.report import PrefillRecord, Scored
+from priortr.engine.report import LayerCache, PrefillRecord, Scored
 from priortr.engine.sequence import SequenceMap
-from priortr.surgery import gather_sequence
 
 
 class Prefill:
@@ -45,12 +44,16 @@ class Prefill:
         vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None,
         explicit_mask: compat.masks.ExplicitMask,
         final_norm: torch.nn.Module | None = None,
+        attention_layers: frozenset[int] | None = None,
+        windows: list[compat.layers.Window | None] | None = None,
     ) -> None:
         self.plan = plan
         self.config = config
         self.adapter = adapter
         self.vision = vision
         self.explicit_mask = explicit_mask
+        self.attention_layers = attention_layers
+        self.windows = windows
         self.final_norm = final_norm
         self.sequence = SequenceMap(
             prompt_length=plan.seq,
@@ -80,11 +83,12 @@ class Prefill:
                 self.cache = call.cache
             call.hidden = self.run_stage(call.hidden, layer, call.rope)
         if self.sequence.positions is not None:
-            self._gather_layer_inputs(call)
+            self._gather_layer_inputs(call, index)
         if self.next_stage == index:
             cache = call.cache
             if cache is not None:
-                compat.cache.check_prunable(cache, index)
+                local = None if self.windows is None else [window is not None for window in self.windows]
+                compat.cache.check_prunable(cache, index, local)
             self.cache = cache
             self.captured["rope"] = call.rope
             self.captured["attention"] = self.adapter.attention(layer)
@@ -100,11 +104,15 @@ class Prefill:
         with value_checks_enabled(config.strict):
             attention = None
             if "attention" in method.needs:
-                attention = attention_at_layer(plan, self.sequence, self.captured, self.adapter)
+                attention = attention_at_layer(
+                    plan, self.sequence, self.captured, self.adapter, self._window(layer)
+                )
             elif "next_attention" in method.needs:
                 if self.sequence.positions is not None:
-                    rope = tuple(gather_sequence(part, self.sequence.positions) for part in rope)
-                attention = next_layer_attention(plan, self.sequence, hidden, next_layer, rope, self.adapter)
+                    rope = self.adapter.gather_rope(rope, self.sequence.positions)
+                attention = next_layer_attention(
+                    plan, self.sequence, hidden, next_layer, rope, self.adapter, self._window(layer + 1)
+                )
             decisions = []
             for group in groups(plan, self.sequence, layer, self.input_positions is not None):
                 vision, project = None, None
@@ -158,6 +166,10 @@ class Prefill:
         sequence = self.sequence
         self.record.sequence = sequence
         self.record.pruned = sequence.positions is not None
+        self.record.cache = tuple(
+            LayerCache.of(self._kind(index), self._window(index), self.plan.seq, sequence.width)
+            for index in range(len(self.windows or ()))
+        )
         if self.record.pruned and self.cache is not None:
             ledger = CacheLedger(
                 prompt_length=self.plan.seq,
@@ -165,19 +177,33 @@ class Prefill:
                 prompt_mask=sequence.key_valid().long(),
                 filler=sequence.filler,
                 next_position=self.plan.next_position,
+                kept_positions=self.plan.text_positions.gather(1, sequence.positions),
+                masked=self.plan.padded or sequence.filler is not None,
             )
             write_ledger(self.cache, ledger)
 
-    def _gather_layer_inputs(self, call: compat.calls.LayerCall) -> None:
-        """RoPE and mask of a layer that runs on the kept tokens only, computed once per stage."""
+    def _window(self, layer: int) -> compat.layers.Window | None:
+        return None if self.windows is None else self.windows[layer]
+
+    def _kind(self, layer: int) -> str:
+        """``keys`` (per token), ``window`` (a local window's tail) or ``state`` (fixed size)."""
+        if self.attention_layers is not None and layer not in self.attention_layers:
+            return "state"
+        return "keys" if self._window(layer) is None else "window"
+
+    def _gather_layer_inputs(self, call: compat.calls.LayerCall, index: int) -> None:
+        """RoPE and mask of layer ``index`` once it runs on the kept tokens only, computed once per stage
+        and kind of layer (a layer without softmax attention takes a padding mask)."""
         rope, mask = call.rope, call.mask
-        key = (id(rope), id(mask))
+        attention = self.attention_layers is None or index in self.attention_layers
+        positions, filler = self.sequence.positions, self.sequence.filler
+        keys = compat.cache.key_length(call.cache, index, positions.shape[1]) if attention else 0
+        key = (id(rope), id(mask), attention, keys)
         if key not in self._layer_inputs:
-            positions, filler = self.sequence.positions, self.sequence.filler
-            static = compat.cache.is_static(call.cache)
-            gathered_rope = tuple(gather_sequence(part, positions) for part in rope)
+            gathered_rope = self.adapter.gather_rope(rope, positions)
+            explicit = self.explicit_mask if attention else compat.masks.padding_mask
             gathered_mask = compat.masks.for_kept_layer(
-                mask, positions, self.plan.seq, static, filler, self.explicit_mask, rope[0].dtype
+                mask, positions, self.plan.seq, keys, filler, explicit, rope[0].dtype
             )
             self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)  # originals keep ids unique
         _, _, call.rope, call.mask = self._layer_inputs[key]

@@ -8,6 +8,7 @@ never asks for, so it happens on first access.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,26 @@ class StageResult:
 
 
 @dataclass(frozen=True)
+class LayerCache:
+    """What one decoder layer's cache holds of the prompt after the prefill, per batch row, as a dynamic
+    cache holds it: ``kind`` ``keys`` (full attention: one entry per token), ``window`` (sliding or
+    chunked attention: the window's last ``size - 1`` tokens) or ``state`` (linear attention: a fixed-size
+    state, no entries, left as it is); ``unpruned`` entries without pruning and ``pruned`` with it."""
+
+    kind: str
+    unpruned: int
+    pruned: int
+
+    @classmethod
+    def of(cls, kind: str, window: Any, prompt: int, kept: int) -> LayerCache:
+        if kind == "state":
+            return cls(kind, 0, 0)
+        if kind == "window":
+            return cls(kind, min(prompt, window.size - 1), min(kept, window.size - 1))
+        return cls(kind, prompt, kept)
+
+
+@dataclass(frozen=True)
 class PruneResult:
     """What one pruned prefill kept, and why (``handle.last``).
 
@@ -51,9 +72,13 @@ class PruneResult:
         positions: [B, S'] original prompt position of every token left after the last stage, i.e. of
             each row of the logits that a plain forward returns.
         padding: [B, S'] True at pruned tokens kept only so that rows have one length (ragged
-            batches); they are masked from every query and their logits are meaningless.
+            batches); they lead their row (before its left padding), are masked from every query and
+            their logits are meaningless.
         pruned: False when the budget covers every visual token (nothing was removed).
         stages: every stage in order.
+        cache: every decoder layer's cache entries of the prompt, without and with pruning
+            (``LayerCache``): which caches shrink (full attention's, local windows' while the prompt is
+            longer than the window) and which do not (linear attention's states).
     """
 
     kept: torch.Tensor
@@ -66,6 +91,7 @@ class PruneResult:
     padding: torch.Tensor
     pruned: bool
     stages: tuple[StageResult, ...]
+    cache: tuple[LayerCache, ...] = ()
 
 
 @dataclass
@@ -86,6 +112,7 @@ class PrefillRecord:
     scored: list[Scored]
     sequence: SequenceMap | None = None
     pruned: bool = False
+    cache: tuple[LayerCache, ...] = ()
 
     def result(self) -> PruneResult:
         visual = self.visual
@@ -131,6 +158,7 @@ class PrefillRecord:
                 StageResult(layer, rows, merged)
                 for (layer, _, merged), rows in zip(self.stages, survivors, strict=True)
             ),
+            cache=self.cache,
         )
 
 

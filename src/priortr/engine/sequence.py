@@ -70,7 +70,8 @@ class SequenceMap:
         return self.valid if self.filler is None else self.valid & ~self.filler
 
     def keep(self, index: torch.Tensor, filler: torch.Tensor | None) -> None:
-        """Keep the columns ``index`` [B, S''] (ascending); ``filler`` flags the new fillers among them."""
+        """Keep the columns ``index`` [B, S''] (fillers first, then the kept ones ascending); ``filler`` flags
+        the new fillers among them."""
         self.positions = index if self.positions is None else self.positions.gather(1, index)
         self.visual = self.visual.gather(1, index)
         self.valid = self.valid.gather(1, index)

@@ -1,0 +1,227 @@
+"""Families whose decoder is not all full attention: what pruning means there, checked against the stock
+model and the reference that runs each layer on the pruned sequence (``tests/helpers/pruned_reference.py``).
+
+* Qwen3.5 (linear + full attention): only full-attention layers can be scored; the linear-attention states
+  are left as they are (layers up to the scored one absorbed every token, later ones only the kept ones);
+  only the full-attention caches shrink.
+* Gemma 3 (sliding + global), Mistral with a window (all sliding): a window counts the prompt's own
+  positions, at the scored layer, in the layers after it and in every decode step across its edge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import priortr
+from priortr import overhead
+from tests.helpers.families import FAMILIES
+from tests.helpers.pruned import kept_rows, pruned_columns, reference_for
+from tests.helpers.tiny import Batch
+from tests.helpers.tiny_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
+from tests.helpers.tiny_gemma3 import gemma3_batch, tiny_gemma3
+from tests.helpers.tiny_mistral3 import mistral3_batch, tiny_mistral3
+from tests.helpers.tiny_qwen3_5 import FULL_ATTENTION_LAYERS, tiny_qwen3_5
+from tests.helpers.tiny_qwen3_vl import qwen3_vl_batch
+
+NEW_TOKENS = 10
+
+
+def _separator_and_rows(batch: Batch, row: int) -> tuple[torch.Tensor, int, list[int]]:
+    """Row ``row``'s visual positions (one image), its separator and the instruction rows after it."""
+    visual = batch.visual_mask()[row].nonzero().flatten()
+    separator = int(visual[-1]) + 1
+    rows = [r for r in range(separator + 1, batch.seq_len) if batch.attention_mask[row, r]]
+    return visual, separator, rows
+
+
+def _attention_weights(model, layer: int, batch: Batch) -> torch.Tensor:
+    """Eager attention weights [B, H, S, S] of decoder layer ``layer`` (its attention module's output)."""
+    adapter = priortr.adapters.adapter_for(model)
+    attention = adapter.attention(adapter.decoder_layers(model)[layer])
+    kept: list[torch.Tensor] = []
+    handle = attention.register_forward_hook(lambda module, args, out: kept.append(out[1]))
+    try:
+        with torch.no_grad():
+            model(**batch.kwargs())
+    finally:
+        handle.remove()
+    return kept[0]
+
+
+CASES = [("gemma3", 1), ("gemma3", 2), ("qwen3.5", 1), ("mistral3", 1), ("glm4v", 1)]
+
+
+@pytest.mark.parametrize(("family", "layer"), CASES)
+def test_prior_and_posterior_are_the_scored_layers_own_attention(family, layer):
+    """Q, P and FastV's last row at the scored layer equal those read off its eager attention weights
+    (float32: eager float64 turns padded rows into NaN), with the layer's own window: at Gemma 3's sliding
+    layer the separator sees only the image tokens within the window (zero prior elsewhere), and a last
+    row farther from the image than the window sees none of it: it has no evidence (NaN, which
+    ``strict=True`` refuses)."""
+    build, make_batch = FAMILIES[family]
+    eager = build(attn="eager", dtype=torch.float32)
+    batch = make_batch(eager, 2)
+    weights = _attention_weights(eager, layer, batch).mean(dim=1)  # [B, S, S], head mean
+    model = build(dtype=torch.float32)
+    with priortr.apply(model, method="fastv", budget=batch.n_visual, layer=layer) as handle, torch.no_grad():
+        model(**batch.kwargs())
+    result = handle.last
+    window = model.config.get_text_config().sliding_window if family == "gemma3" else None
+    for row in range(batch.batch_size):
+        visual, separator, rows = _separator_and_rows(batch, row)
+        prior = weights[row, separator, visual]
+        posterior = weights[row][rows][:, visual].mean(dim=0)
+        last = weights[row, batch.seq_len - 1, visual]
+        torch.testing.assert_close(result.prior[row], prior / prior.sum(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result.posterior[row], posterior / posterior.sum(), atol=1e-6, rtol=1e-5)
+        if last.sum() > 0:
+            torch.testing.assert_close(result.scores[row], last / last.sum(), atol=1e-6, rtol=1e-5)
+        else:
+            assert window is not None and result.scores[row].isnan().all()
+    if family == "gemma3" and GEMMA3_LAYER_TYPES[layer] == "sliding_attention":
+        visual, separator, _ = _separator_and_rows(batch, 0)
+        outside = visual <= separator - window
+        assert outside.any() and (result.prior[0][outside] == 0).all()
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_linear_attention_layer_is_refused_naming_the_nearest_attention_layer(layer):
+    model = tiny_qwen3_5()
+    assert priortr.adapters.adapter_for(model).attention_layers(model) == FULL_ATTENTION_LAYERS
+    with pytest.raises(
+        ValueError, match=r"decoder layer \d of this model has no softmax attention.*score layer 1 instead"
+    ):
+        priortr.apply(model, budget=4, layer=layer)
+    with pytest.raises(ValueError, match="score layer 1"):
+        priortr.apply(model, method="priortr", stages=[(1, 8), (2, 4)])
+    with pytest.raises(ValueError, match="the layer after the scored one"):
+        priortr.apply(model, method="pdrop", stages=[(1, 8)])  # ranks with layer 2, a linear one
+    priortr.apply(model, budget=4, layer=1).remove()  # the full-attention layer is accepted
+    priortr.apply(model, method="random", budget=4, layer=1).remove()
+
+
+def _generate(model, batch: Batch, cache: str) -> object:
+    return model.generate(
+        **batch.kwargs(),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        cache_implementation=cache,
+    )
+
+
+MODELS = {
+    "qwen3.5": (tiny_qwen3_5, qwen3_vl_batch),
+    "gemma3": (tiny_gemma3, gemma3_batch),
+    "gemma3, window past the pruned prompt": (lambda: tiny_gemma3(window=24), gemma3_batch),
+    "mistral3, every layer sliding": (lambda: tiny_mistral3(sliding_window=12), mistral3_batch),
+}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_across_the_window_edge_matches_the_reference(name, cache):
+    """Ten greedy steps, so that decoding slides past the window (and, with a window longer than the
+    pruned prompt, from inside it to past it); prefill and every step equal the reference in float64."""
+    build, make_batch = MODELS[name]
+    model = build()
+    batch = make_batch(model, 2)
+    with priortr.apply(model, budget=5, layer=1) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits
+        result = handle.last
+        out = _generate(model, batch, cache)
+    assert torch.equal(handle.last.kept, result.kept)  # the generate() prefill ranks as the forward did
+    pruned = pruned_columns(batch, result.kept)
+    with reference_for(model, [(1, pruned)], batch.attention_mask), torch.no_grad():
+        reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
+        expected = _generate(model, batch, cache)
+    torch.testing.assert_close(logits[real], reference[real], atol=1e-10, rtol=0)
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+    with torch.no_grad():
+        stock = _generate(model, batch, cache)
+    assert (torch.stack(stock.logits) - torch.stack(out.logits)).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
+def test_the_report_says_which_caches_shrink_and_the_cache_holds_that(name):
+    """``handle.last.cache``: full-attention caches go from the prompt to text + K entries, a window's
+    from its tail of the prompt to its tail of the kept tokens, linear-attention states have no entries;
+    the cache a generate() leaves holds exactly that (plus the one token fed back)."""
+    build, make_batch = MODELS[name]
+    model = build()
+    batch = make_batch(model, 2)
+    with priortr.apply(model, budget=5, layer=1) as handle, torch.no_grad():
+        out = model.generate(
+            **batch.kwargs(), max_new_tokens=1, do_sample=False, return_dict_in_generate=True
+        )
+    prompt, kept = batch.seq_len, batch.seq_len - batch.n_visual + 5
+    text = model.config.get_text_config()
+    report = handle.last.cache
+    assert [entry.kind for entry in report] == [
+        {"linear_attention": "state", "full_attention": "keys", "sliding_attention": "window"}[kind]
+        for kind in text.layer_types
+    ]
+    for entry, layer in zip(report, out.past_key_values.layers, strict=True):
+        if entry.kind == "state":
+            assert (entry.unpruned, entry.pruned) == (0, 0) and getattr(layer, "keys", None) is None
+            continue
+        cap = prompt if entry.kind == "keys" else text.sliding_window - 1
+        assert (entry.unpruned, entry.pruned) == (min(prompt, cap), min(kept, cap))
+        assert layer.keys.shape[2] == entry.pruned
+    assert any(entry.pruned < entry.unpruned for entry in report)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "mistral3", "glm4v"])
+def test_a_decode_step_reads_nothing_back(family, cache):
+    """A decode step on a pruned cache syncs as often as a vanilla one and runs no per-layer hook; on
+    full-attention and hybrid linear models it dispatches what vanilla does (at most two more ops). With
+    local windows the step rebuilds its local layers' masks in the prompt's positions: a bounded number of
+    extra ops (measured: 14 for Gemma 3's dynamic cache, 26 for its static one), still nothing read back."""
+    model = FAMILIES[family][0](dtype=torch.float32)
+    batch = FAMILIES[family][1](model, 1)
+    vanilla = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)[-1]
+    with priortr.apply(model, budget=4, layer=1):
+        prefill, *_, decode = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)
+    assert decode.syncs == vanilla.syncs, decode.sync_names - vanilla.sync_names
+    assert decode.hooks <= 1 < prefill.hooks
+    assert decode.ops - vanilla.ops <= (30 if family == "gemma3" else 2), decode.names - vanilla.names
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma3"])
+def test_compiled_decode_makes_the_graphs_vanilla_makes(family):
+    model = FAMILIES[family][0](dtype=torch.float32)
+    batch = FAMILIES[family][1](model, 1)
+    vanilla = overhead.count_compiled_graphs(model, batch.kwargs())
+    options = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    with priortr.apply(model, budget=4, layer=1), torch.no_grad():
+        eager = model.generate(**batch.kwargs(), cache_implementation="static", **options)
+        assert overhead.count_compiled_graphs(model, batch.kwargs()) == vanilla
+        compiled = overhead.compiled_generate(model, batch.kwargs(), **options)
+    assert torch.equal(compiled, eager)
+
+
+def test_a_hybrid_cache_continued_without_priortr_cannot_be_continued_with_it():
+    """Without priortr attached, the pruned cache's first attention layer refuses the call, but Qwen3.5's
+    linear-attention layer 0 has already stepped its state by then: continuing that cache with priortr
+    attached again is refused too (it no longer stands for the conversation)."""
+    model = tiny_qwen3_5()
+    batch = qwen3_vl_batch(model, 1)
+    with priortr.apply(model, budget=4, layer=1), torch.no_grad():
+        out = model.generate(
+            **batch.kwargs(), max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+        )
+    ids = torch.cat([out.sequences, torch.tensor([[7]])], dim=1)
+    turn = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 1, "do_sample": False}
+    with pytest.raises(ValueError, match="no priortr pruning is attached"), torch.no_grad():
+        model.generate(**turn, past_key_values=out.past_key_values)
+    with (
+        priortr.apply(model, budget=4, layer=1),
+        pytest.raises(ValueError, match="already continued once without priortr"),
+        torch.no_grad(),
+    ):
+        model.generate(**turn, past_key_values=out.past_key_values)
