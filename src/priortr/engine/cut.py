@@ -35,6 +35,11 @@ class Decision:
     features: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @property
+    def changes(self) -> bool:
+        """Whether the decision drops or merges any of the group's tokens."""
+        return self.selection.kept.shape[1] < self.group.size or self.selection.merge is not None
+
 
 def cut(
     sequence: SequenceMap,

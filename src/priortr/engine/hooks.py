@@ -233,10 +233,10 @@ class PruningEngine:
                 attention = self.adapter.attention(self.layers[index])
                 armed += [
                     self.adapter.query_projection(attention).register_forward_hook(
-                        _capture(prefill, "q", thread)
+                        _keep_output(prefill.keep_queries, thread)
                     ),
                     self.adapter.key_projection(attention).register_forward_hook(
-                        _capture(prefill, "k", thread)
+                        _keep_output(prefill.keep_keys, thread)
                     ),
                 ]
         returned = self._on_model_return(prefill, thread, continuation)
@@ -249,8 +249,8 @@ class PruningEngine:
                 return None
             _disarm(self._in_flight.pop(thread, []))
             self._vision_captures.pop(thread, None)
-            if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
-                compat.cache.guard(prefill.cache)
+            if prefill.ledger is not None:
+                write_ledger(prefill.cache, prefill.ledger)
             if continuation is None or output is None:  # None: the prefill raised
                 return None
             return continuation.run(module, output)
@@ -314,12 +314,12 @@ def _before_layer(
     return hook
 
 
-def _capture(prefill: Prefill, name: str, thread: int) -> Callable:
-    """Forward hook keeping a scored layer's projection output for the stage."""
+def _keep_output(keep: Callable[[torch.Tensor], None], thread: int) -> Callable:
+    """Forward hook handing a scored layer's projection output to the prefill (``keep``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if threading.get_ident() == thread:
-            prefill.captured[name] = output
+            keep(output)
 
     return hook
 
@@ -330,6 +330,6 @@ def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerCo
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() == thread:
-            prefill.captured["embeddings"] = contract.call(args, kwargs).hidden
+            prefill.keep_embeddings(contract.call(args, kwargs).hidden)
 
     return hook

@@ -19,7 +19,7 @@ import torch
 
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig
-from priortr.engine.evidence import groups, stage_inputs
+from priortr.engine.evidence import Sources, gather, groups
 from priortr.engine.plan import PrefillPlan, plan_on_host
 from priortr.engine.sequence import SequenceMap
 from priortr.integrations.vllm.layers import LayerParts
@@ -235,9 +235,10 @@ def _select(
     attention = attention_rows(
         queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.rows, plan.valid), parts.scaling
     )  # [1, H, R, S]
+    sources = Sources(plan, sequence, config, hidden=output[None], attention=attention)
     kept = []
     for group in groups(plan, sequence, config.layer):
-        inputs = stage_inputs(group, output[None], attention, plan, config, None)
+        inputs = gather(config.method.needs, sources, group)
         selection = config.method.select(inputs, **config.options)
         kept.append(group.positions.gather(1, selection.kept).flatten())
     return torch.cat(kept)
