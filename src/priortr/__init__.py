@@ -27,8 +27,8 @@ if TYPE_CHECKING:
         register_method,
         register_rule,
     )
-    from priortr.scoring import Evidence
-    from priortr.selection import Selection, StageInputs
+    from priortr.methods.scoring import Evidence
+    from priortr.methods.selection import Selection, StageInputs
 
 # each public name (``__all__``) -> the module that defines it
 _HOMES = {
@@ -47,9 +47,9 @@ _HOMES = {
     "get_rule": "priortr.methods",
     "register_method": "priortr.methods",
     "register_rule": "priortr.methods",
-    "Evidence": "priortr.scoring",
-    "Selection": "priortr.selection",
-    "StageInputs": "priortr.selection",
+    "Evidence": "priortr.methods.scoring",
+    "Selection": "priortr.methods.selection",
+    "StageInputs": "priortr.methods.selection",
 }
 
 __all__ = [

@@ -10,7 +10,6 @@ from typing import Any
 
 from torch import nn
 
-from priortr import config_file
 from priortr.adapters import adapter_for
 from priortr.engine import (
     BEFORE_LLM,
@@ -22,9 +21,10 @@ from priortr.engine import (
     PruningConfig,
     PruningEngine,
 )
+from priortr.engine.pools import MULTI_IMAGE
 from priortr.methods import MethodInfo, get_method
-from priortr.pools import MULTI_IMAGE
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import resolve_budget
+from priortr.tools import config_file
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 DEFAULT_BUDGET = 64
@@ -140,10 +140,10 @@ def apply(
         separator_offset: the prior is read this many tokens after the first post-image token.
         multi_image: ``per_image`` (each image or video ranked alone, its Q and P normalised over its
             own tokens, under its share of the budget) or ``global`` (a prompt's images ranked
-            together under one budget; ``priortr.pools``).
+            together under one budget; ``priortr.engine.pools``).
         strict: raise instead of warning when a prompt has nothing to prune.
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
-        config: a config file (``priortr.config_file``, written by ``priortr calibrate``) whose keywords
+        config: a config file (``priortr.tools.config_file``, written by ``priortr calibrate``) whose keywords
             replace the defaults above; a keyword passed here and set differently in the file is refused.
     """
     if config is not None:

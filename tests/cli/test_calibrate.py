@@ -19,11 +19,11 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import priortr
-from priortr import calibrate
 from priortr.cli import main
-from priortr.config_file import read_config, write_config
-from priortr.flops import scheduled_prefill_flops
-from priortr.prompts import prompt_text
+from priortr.tools import calibrate
+from priortr.tools.config_file import read_config, write_config
+from priortr.tools.flops import scheduled_prefill_flops
+from priortr.tools.prompts import prompt_text
 from tests.helpers.tiny import LLAVA_N_VISUAL
 
 PROMPTS = ["what is in the image", "describe this picture", "what color is the cat", "is the cat red"]
@@ -196,7 +196,7 @@ def test_apply_reads_a_config_through_its_own_validation(loaded, tmp_path: Path)
 
 def test_plugin_reads_a_config(checkpoint: Path, tmp_path: Path) -> None:
     pytest.importorskip("lmms_eval")
-    from priortr.lmms_plugin import PriorTRLMMs
+    from priortr.integrations.lmms_eval.model import PriorTRLMMs
 
     path = write_config(tmp_path / "c.json", {"method": "fastv", "budget": 4, "layer": 1})
     lm = PriorTRLMMs(pretrained=str(checkpoint), config=str(path), device="cpu", dtype="float64")
@@ -317,7 +317,8 @@ def test_bench_takes_a_config_with_or_without_options(checkpoint: Path, tmp_path
 def scripted_timings(monkeypatch, model, timings: dict) -> None:
     """The language-model prefill times each configuration measures, in turn: keyed by
     (method, budget) of the pruning attached to ``model`` at the time (None: the unpruned model)."""
-    from priortr import api, bench
+    from priortr import api
+    from priortr.tools import bench
 
     served = {key: itertools.cycle(values) for key, values in timings.items()}
 

@@ -1,4 +1,4 @@
-"""Token-to-region mapping and the prior/posterior/score figure (``priortr.viz``, ``priortr viz``)."""
+"""Token-to-region mapping and the prior/posterior/score figure (``priortr.tools.viz``, ``priortr viz``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, BatchFeature
 
-from priortr import viz
 from priortr.adapters import adapter_for
 from priortr.cli import main
+from priortr.tools import viz
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.tiny import (
     QWEN_IMAGE_ID,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import priortr
-from priortr import bench
+from priortr.tools import bench
 from tests.helpers.families import FAMILIES, LAYOUTS
 from tests.helpers.pruned import assert_matches_reference, generate
 

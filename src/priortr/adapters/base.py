@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from priortr.probe import apply_rope
-from priortr.surgery import gather_sequence
+from priortr.engine.attention import apply_rope
+from priortr.engine.sequence import gather_sequence
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class FamilyAdapter:
     def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
         """(rows, cols) of the visual tokens of batch row ``row``'s image, which come in raster order.
 
-        Used to draw token scores over the image (``priortr.viz``, the paper's qualitative figure).
+        Used to draw token scores over the image (``priortr.tools.viz``, the paper's qualitative figure).
         ``inputs`` are the processor's outputs for the batch.
         """
         raise NotImplementedError(f"the {self.name or type(self).__name__} adapter declares no visual_grid")

@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import priortr
-    from priortr import loading
-    from priortr.prompts import chat_inputs
+    from priortr.tools import loading
+    from priortr.tools.prompts import chat_inputs
 
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
     processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)

@@ -66,8 +66,8 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Draw the prior Q, posterior P, score S and kept tokens over the image, one row per layer x budget
     (the paper's qualitative figure)."""
-    from priortr import loading, viz
     from priortr.adapters import adapter_for
+    from priortr.tools import loading, viz
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from priortr.engine.pools import split_count
 from priortr.methods import MethodInfo
 from priortr.methods.registry import DEFAULT_LAYER as DEFAULT_LAYER
-from priortr.pools import split_count
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import resolve_budget
 
 POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
 HEAD_AGGREGATIONS = ("mean", "max")
@@ -32,9 +32,9 @@ class PruningConfig:
     (default), the separator too (as the authors' code does), or the last prompt token only.
     ``separator_offset`` moves the prior's slot that many tokens after the first post-image token
     (the paper's null-token ablation). ``multi_image`` says how the items of a row share the budget
-    (``priortr.pools``). ``strict`` raises instead of warning when a prompt has nothing to prune, and
+    (``priortr.engine.pools``). ``strict`` raises instead of warning when a prompt has nothing to prune, and
     turns on the checks that read tensor values (they block the host on a GPU, so they are off by
-    default: ``priortr.checks``).
+    default: ``priortr.methods.value_checks``).
     """
 
     method: MethodInfo

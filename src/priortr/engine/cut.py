@@ -17,11 +17,10 @@ import torch
 
 from priortr import compat
 from priortr.engine.evidence import Group
-from priortr.engine.sequence import SequenceMap
-from priortr.host import to_device
-from priortr.pools import Pool
-from priortr.selection import Selection
-from priortr.surgery import gather_sequence
+from priortr.engine.host import to_device
+from priortr.engine.pools import Pool
+from priortr.engine.sequence import SequenceMap, gather_sequence
+from priortr.methods.selection import Selection
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,15 @@ import torch
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.checks import value_checks_enabled
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.cut import Decision, cut
 from priortr.engine.evidence import Group, ScoredLayer, Sources, gather, groups
 from priortr.engine.ledger import CacheLedger, ledger_for
 from priortr.engine.plan import PrefillPlan
-from priortr.engine.report import LayerCache, PrefillRecord
+from priortr.engine.result import LayerCache, PrefillRecord
 from priortr.engine.sequence import SequenceMap
-from priortr.selection import StageInputs
+from priortr.methods.selection import StageInputs
+from priortr.methods.value_checks import value_checks_enabled
 
 
 class Prefill:

@@ -15,7 +15,7 @@ from typing import Any
 
 from priortr.api import pruning_config
 from priortr.engine.config import PruningConfig
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import resolve_budget
 
 SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""

@@ -4,10 +4,10 @@ whole, score with the library's method, keep K tokens per image.
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
 through layers 0..L once, as one causal sequence outside the paged cache; layer L's attention rows
-(``priortr.probe.attention_rows``) feed the method through the same evidence code as ``priortr.apply``
-(``priortr.engine.evidence``). What survives is the prompt's text and the kept visual tokens, exactly
-as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after layer L and
-their original positions.
+(``priortr.engine.attention.attention_rows``) feed the method through the same evidence code as
+``priortr.apply`` (``priortr.engine.evidence``). What survives is the prompt's text and the kept visual
+tokens, exactly as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after
+layer L and their original positions.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from itertools import pairwise
 import torch
 
 from priortr.adapters import FamilyAdapter
+from priortr.engine.attention import RowSpec, attention_rows
 from priortr.engine.config import PruningConfig
 from priortr.engine.evidence import Sources, gather, groups
 from priortr.engine.plan import PrefillPlan, plan_on_host
 from priortr.engine.sequence import SequenceMap
-from priortr.integrations.vllm.layers import LayerParts
+from priortr.integrations.vllm.decoder import LayerParts
 from priortr.integrations.vllm.positions import image_positions
-from priortr.probe import RowSpec, attention_rows
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
         --tasks gqa --batch_size 8 --output_path results/
 
-The model is loaded by ``priortr.loading.load`` (``AutoProcessor`` + ``AutoModelForImageTextToText``, the
-CLI's loader and checks), prompts are built by ``priortr.prompts.prompt_text``, and ``priortr.apply`` is
-attached once; every request then runs the stock ``generate()`` / forward call of the pruned model.
-Registered through the ``lmms_eval.models`` entry point (``priortr.lmms_manifest``). This module imports
-``lmms_eval`` and is only imported by lmms-eval itself; ``import priortr`` does not import it.
+The model is loaded by ``priortr.tools.loading.load`` (``AutoProcessor`` +
+``AutoModelForImageTextToText``, the CLI's loader and checks), prompts are built by
+``priortr.tools.prompts.prompt_text``, and ``priortr.apply`` is attached once; every request then runs
+the stock ``generate()`` / forward call of the pruned model. Registered through the ``lmms_eval.models``
+entry point (``priortr.integrations.lmms_eval.manifest``). This module imports ``lmms_eval`` and is only
+imported by lmms-eval itself; ``import priortr`` does not import it.
 
 Requests, in lmms-eval's "simple" model format:
 
@@ -58,9 +59,9 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 import priortr
-from priortr.config_file import parse_budget
-from priortr.loading import DTYPES, load
-from priortr.prompts import prompt_text
+from priortr.tools.config_file import parse_budget
+from priortr.tools.loading import DTYPES, load
+from priortr.tools.prompts import prompt_text
 
 # keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
 _IGNORED_KWARGS = ("max_batch_size",)

@@ -27,9 +27,9 @@ from torch import nn
 import priortr
 from priortr import compat
 from priortr.adapters import adapter_for
-from priortr.configs import load_config
-from priortr.flops import kv_cache_bytes, scheduled_prefill_flops
-from priortr.journal import Journal
+from priortr.tools.configs import load_config
+from priortr.tools.flops import kv_cache_bytes, scheduled_prefill_flops
+from priortr.tools.journal import Journal
 
 VANILLA = "vanilla"
 

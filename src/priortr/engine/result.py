@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
-from priortr.pools import Pool
-from priortr.scoring import Evidence
+from priortr.methods.scoring import Evidence
 
 
 @dataclass(frozen=True)

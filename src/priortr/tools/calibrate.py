@@ -11,13 +11,13 @@ with the unpruned model on the same batches:
   timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency
   protocol times the language model without the vision tower), the unpruned model and every
   configuration timed in the same interleaved rounds, afresh on every run
-  (``priortr.bench.interleaved_lm_prefill``); a speed-up within the spread of the timings is flagged
+  (``priortr.tools.bench.interleaved_lm_prefill``); a speed-up within the spread of the timings is flagged
   and counts as none when ranking (``Timing``);
 * FLOPs share: the pruned language-model prefill FLOPs over the unpruned, from the stages the engine
-  ran (``priortr.flops``).
+  ran (``priortr.tools.flops``).
 
 Per method, the recommendation is the fastest configuration whose agreement reaches the target; it is
-written as a config file (``priortr.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
+written as a config file (``priortr.tools.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
 ``--config`` and the lmms-eval plug-in read. The unpruned answers are computed once per run and every
 measured configuration's answers are cached in the output folder, so a re-run with a larger grid
 answers only what is new (the timings, taken together, are always taken again).
@@ -41,12 +41,12 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
-from priortr.bench import Spread, interleaved_lm_prefill, resolved
-from priortr.config_file import write_config
-from priortr.flops import scheduled_prefill_flops
-from priortr.journal import write_whole
 from priortr.methods import get_method
-from priortr.prompts import prompt_text
+from priortr.tools.bench import Spread, interleaved_lm_prefill, resolved
+from priortr.tools.config_file import write_config
+from priortr.tools.flops import scheduled_prefill_flops
+from priortr.tools.journal import write_whole
+from priortr.tools.prompts import prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Setting:
 @dataclass(frozen=True)
 class Timing:
     """The language-model prefill of one configuration and of the unpruned model, in ms, from the
-    same interleaved rounds (``priortr.bench.interleaved_lm_prefill``)."""
+    same interleaved rounds (``priortr.tools.bench.interleaved_lm_prefill``)."""
 
     lm_prefill: Spread
     unpruned: Spread
@@ -103,7 +103,7 @@ class Timing:
 
     @property
     def resolved(self) -> bool:
-        """The medians differ by more than the spread of either side (``priortr.bench.resolved``)."""
+        """The medians differ by more than the spread of either side (``priortr.tools.bench.resolved``)."""
         return resolved(self.unpruned, self.lm_prefill)
 
 

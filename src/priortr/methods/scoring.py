@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.checks import value_checks
+from priortr.methods.value_checks import value_checks
 
 EPS: float = 1e-6
 """Smoothing constant of the PriorTR score, ε = 1e-6 (Appendix, "Computing Scores")."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
-from priortr.prompts import chat_inputs
+from priortr.tools.prompts import chat_inputs
 
 # Colour-bar labels of the score column, by rule; other rules get their name.
 SCORE_LABELS = {
