@@ -27,6 +27,7 @@ from torch import nn
 import priortr
 from priortr import compat
 from priortr.adapters import adapter_for
+from priortr.tools import families
 from priortr.tools.configs import load_config
 from priortr.tools.flops import kv_cache_bytes, scheduled_prefill_flops
 from priortr.tools.journal import Journal
@@ -343,7 +344,7 @@ class Bench:
         generator = torch.Generator().manual_seed(self.seed)
         adapter = adapter_for(self.model)
         inputs = compat.inputs.rename_image_argument(
-            self.model, adapter.dummy_inputs(self.model.config, batch, self.text_tokens, generator)
+            self.model, families.dummy_inputs(adapter, self.model.config, batch, self.text_tokens, generator)
         )
         device, dtype = self.model.device, self.model.dtype
         return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
