@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from priortr.adapters import register_adapter, supported_model_types
     from priortr.api import PruningHandle, apply, detach
-    from priortr.engine import PruneResult, PruningSkippedWarning, StageResult
+    from priortr.engine.config import PruningSkippedWarning
+    from priortr.engine.result import PruneResult, StageResult
     from priortr.methods import (
         MethodInfo,
         available_methods,
@@ -37,9 +38,9 @@ _HOMES = {
     "PruningHandle": "priortr.api",
     "apply": "priortr.api",
     "detach": "priortr.api",
-    "PruneResult": "priortr.engine",
-    "PruningSkippedWarning": "priortr.engine",
-    "StageResult": "priortr.engine",
+    "PruneResult": "priortr.engine.result",
+    "PruningSkippedWarning": "priortr.engine.config",
+    "StageResult": "priortr.engine.result",
     "MethodInfo": "priortr.methods",
     "available_methods": "priortr.methods",
     "available_rules": "priortr.methods",

@@ -318,7 +318,7 @@ def scripted_timings(monkeypatch, model, timings: dict) -> None:
     """The language-model prefill times each configuration measures, in turn: keyed by
     (method, budget) of the pruning attached to ``model`` at the time (None: the unpruned model)."""
     from priortr import api
-    from priortr.tools import bench
+    from priortr.tools import timing
 
     served = {key: itertools.cycle(values) for key, values in timings.items()}
 
@@ -326,7 +326,7 @@ def scripted_timings(monkeypatch, model, timings: dict) -> None:
         handle = api._ATTACHED.get(model)
         return next(served[None if handle is None else (handle.config.method.name, handle.config.budget)])
 
-    monkeypatch.setattr(bench.Clock, "elapsed_ms", elapsed_ms)
+    monkeypatch.setattr(timing.Clock, "elapsed_ms", elapsed_ms)
 
 
 def test_a_speed_up_within_noise_is_flagged_and_not_recommended(

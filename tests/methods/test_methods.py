@@ -15,8 +15,8 @@ import torch
 
 import priortr
 from priortr.cli import main
-from priortr.engine import DEFAULT_LAYER, VISION_NEEDS, PruningConfig
 from priortr.engine.attention import cls_attention
+from priortr.engine.config import DEFAULT_LAYER, VISION_NEEDS, PruningConfig
 from priortr.methods.recycling import recycle_counts
 from priortr.methods.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup

@@ -30,7 +30,7 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
-from priortr.engine.config import PruningConfig
+from priortr.engine.config import VISION_NEEDS, PruningConfig
 from priortr.engine.host import to_device
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
@@ -39,9 +39,6 @@ from priortr.methods import MethodInfo
 from priortr.methods.scoring import aggregate_heads, build_evidence
 from priortr.methods.selection import StageInputs
 from priortr.methods.value_checks import value_checks
-
-VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
-"""Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
 
 
 @dataclass

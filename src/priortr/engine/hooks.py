@@ -28,9 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.continuation import Continuation, split_call
-from priortr.engine.evidence import VISION_NEEDS
 from priortr.engine.host import to_host
 from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill

@@ -54,7 +54,6 @@ PROMPTS_FILE = "prompts.jsonl"
 CACHE_FILE = "calibration-cache.json"
 REFERENCE_FILE = "calibration-reference.pt"
 DEFAULT_TARGET = 0.95
-VANILLA = "vanilla"
 
 
 @dataclass(frozen=True)

@@ -159,14 +159,20 @@ def _qwen_inputs(
     adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
 ) -> dict:
     """A 672x672 image: a 48x48 patch grid merged 2x2 into 576 tokens, as LLaVA-1.5's budget scale."""
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    return _merged_grid_inputs(config, batch, text_tokens, generator, (start, end), start)
+
+
+def _merged_grid_inputs(
+    config, batch: int, text_tokens: int, generator: torch.Generator, markers: tuple[int, int], limit: int
+) -> dict:
+    """One 48x48 patch grid per row, merged by the tower, between the image's ``markers``; text ids
+    below ``limit``."""
     vision = config.vision_config
     grid = (1, 48, 48)
     n_visual = grid[1] * grid[2] // vision.spatial_merge_size**2
-    limit = config.vision_start_token_id
     ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
-    start = ids.new_full((batch, 1), config.vision_start_token_id)
-    end = ids.new_full((batch, 1), config.vision_end_token_id)
-    ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
+    ids = _bracketed(ids, n_visual, *markers)
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     return {
         "input_ids": ids,
@@ -175,6 +181,14 @@ def _qwen_inputs(
         "image_grid_thw": torch.tensor([grid] * batch),
         "mm_token_type_ids": (ids == config.image_token_id).long(),
     }
+
+
+def _bracketed(ids: torch.Tensor, n_visual: int, start: int, end: int) -> torch.Tensor:
+    """``prompt_layout``'s ids with the text tokens on either side of the image made its ``start`` and
+    ``end`` markers."""
+    first = ids.new_full((ids.shape[0], 1), start)
+    last = ids.new_full((ids.shape[0], 1), end)
+    return torch.cat([ids[:, :3], first, ids[:, 4 : 4 + n_visual], last, ids[:, 5 + n_visual :]], dim=1)
 
 
 def _pixtral_grid(adapter: FamilyAdapter, config, inputs: dict, row: int) -> tuple[int, int]:
@@ -220,9 +234,7 @@ def _internvl_inputs(
     image_id = config.image_token_id
     n_visual = tiles * config.image_seq_length
     ids = prompt_layout(image_id, n_visual, text_tokens, image_id - 2, batch, generator)
-    start = ids.new_full((batch, 1), image_id - 2)  # stand-ins for <img> and </img>
-    end = ids.new_full((batch, 1), image_id - 1)
-    ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
+    ids = _bracketed(ids, n_visual, image_id - 2, image_id - 1)  # stand-ins for <img> and </img>
     pixels = torch.randn(batch * tiles, 3, height, width, generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
@@ -232,22 +244,9 @@ def _glm_inputs(
 ) -> dict:
     """A 672x672 image: a 48x48 patch grid merged 2x2 into 576 tokens, as LLaVA-1.5's budget scale,
     between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
-    vision = config.vision_config
-    grid = (1, 48, 48)
-    n_visual = grid[1] * grid[2] // vision.spatial_merge_size**2
-    limit = min(config.image_start_token_id, config.image_end_token_id, config.video_start_token_id)
-    ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
-    start = ids.new_full((batch, 1), config.image_start_token_id)
-    end = ids.new_full((batch, 1), config.image_end_token_id)
-    ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
-    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "pixel_values": torch.randn(batch * grid[1] * grid[2], patch, generator=generator),
-        "image_grid_thw": torch.tensor([grid] * batch),
-        "mm_token_type_ids": (ids == config.image_token_id).long(),
-    }
+    markers = (config.image_start_token_id, config.image_end_token_id)
+    limit = min(*markers, config.video_start_token_id)
+    return _merged_grid_inputs(config, batch, text_tokens, generator, markers, limit)
 
 
 def _anyres_image_size(config) -> tuple[int, int]:
@@ -324,9 +323,7 @@ def _gemma3_inputs(
     image_id = config.image_token_id
     limit = min(image_id, config.boi_token_index, config.eoi_token_index)
     ids = prompt_layout(image_id, n_visual, text_tokens, limit, batch, generator)
-    start = ids.new_full((batch, 1), config.boi_token_index)
-    end = ids.new_full((batch, 1), config.eoi_token_index)
-    ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
+    ids = _bracketed(ids, n_visual, config.boi_token_index, config.eoi_token_index)
     size = config.vision_config.image_size
     return {
         "input_ids": ids,
