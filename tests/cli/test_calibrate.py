@@ -20,7 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import priortr
 from priortr.cli import main
-from priortr.tools import calibrate
+from priortr.tools import calibrate, calibration_report
 from priortr.tools.config_file import read_config, write_config
 from priortr.tools.flops import scheduled_prefill_flops
 from priortr.tools.prompts import prompt_text
@@ -344,11 +344,11 @@ def test_a_speed_up_within_noise_is_flagged_and_not_recommended(
     assert by_budget[8].speedup == pytest.approx(2.5) and not by_budget[8].resolved
     assert by_budget[LLAVA_N_VISUAL].speedup == pytest.approx(100 / 60) and by_budget[LLAVA_N_VISUAL].resolved
     assert result.recommendations()["fastv"].budget == LLAVA_N_VISUAL
-    table = result.to_markdown()
+    table = calibration_report.to_markdown(result)
     assert "| 2.50x (!) |" in table and "| 1.67x |" in table
     assert "warning: fastv L1 K=8: the LM prefill medians differ by less than the spread" in table
     assert "100.00 (range 100.00-104.00, 3 runs)" in table
-    document = result.to_dict()["measurements"]
+    document = calibration_report.to_dict(result)["measurements"]
     assert [m["speedup_resolved"] for m in document] == [True, False]
 
 
@@ -376,4 +376,4 @@ def test_the_demo_flags_a_speed_up_within_noise(loaded, tmp_path: Path, monkeypa
 def test_rank_by_reaches_the_result(loaded, folder: Path, tmp_path: Path) -> None:
     """Before: calibrate() checked rank_by and then ranked by speed-up whatever was asked."""
     result = run_calibration(loaded, folder, tmp_path, calibrate.grid(["fastv"], [1], [8]), rank_by="flops")
-    assert result.rank_by == "flops" and result.to_dict()["rank_by"] == "flops"
+    assert result.rank_by == "flops" and calibration_report.to_dict(result)["rank_by"] == "flops"

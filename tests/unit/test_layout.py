@@ -23,7 +23,10 @@ ROOMS = {
     "integrations",
 }
 CORE = ("__init__.py", "api.py", "adapters", "engine", "methods", "compat")
-# plotting, benchmarks, evaluation, front ends; the core reads the API's config files (tools.config_file)
+# plotting, benchmarks, evaluation, front ends: every tool but the API's config files (tools.config_file)
+TOOLS = sorted(
+    path.stem for path in (PACKAGE / "tools").glob("*.py") if path.stem not in ("__init__", "config_file")
+)
 FORBIDDEN = (
     "matplotlib",
     "lmms_eval",
@@ -31,13 +34,8 @@ FORBIDDEN = (
     "priortr.cli",
     "priortr.integrations",
     "priortr.testbed",
-    *(
-        f"priortr.tools.{name}"
-        for name in ("bench", "overhead", "flops", "calibrate", "viz", "report", "journal")
-    ),
-    "priortr.tools.families",
-    "priortr.tools.loading",
-    "priortr.tools.prompts",
+    "priortr.tools.configs",
+    *(f"priortr.tools.{name}" for name in TOOLS),
 )
 
 

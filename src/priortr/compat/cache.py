@@ -196,13 +196,6 @@ def host_length(cache: Any) -> int | None:
     return tokens if isinstance(tokens, int) else None
 
 
-def is_static(cache: Any) -> bool:
-    """Whether the cache preallocates its slots (keys span ``max_cache_len`` in every layer call)."""
-    if cache is None:
-        return False
-    return any(operations.static for operations in map(_operations, layers(cache)) if operations)
-
-
 def key_length(cache: Any, layer: int, tokens: int) -> int:
     """How many keys decoder layer ``layer`` attends over when it runs on ``tokens`` new ones (its cache's
     mask size: every preallocated slot of a static cache). Host arithmetic: nothing is read back."""

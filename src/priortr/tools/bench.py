@@ -363,6 +363,7 @@ class Bench:
         return {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": False}
 
     def _decode_warmup(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
+        """An untimed generation before a case's timed ones (the ``decode_warmup`` step of ``run``)."""
         with self._attached(case):
             self.model.generate(**inputs, **self._generate_options())
 
