@@ -225,6 +225,8 @@ def _select(
         valid=valid.to(device),
         text_tokens=host.text_tokens,
         next_position=torch.tensor([ids.shape[1]], device=device),
+        text_positions=torch.arange(ids.shape[1], device=device)[None],  # one unpadded prompt, 0 .. S-1
+        padded=False,
         rows=host.rows.to(device),
         pool_rows=host.pool_rows,
     )
