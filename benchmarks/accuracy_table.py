@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-from priortr.flops import profile_of_stages
 from priortr.methods import get_method
 from priortr.testbed import VANILLA
 from priortr.testbed.significance import mcnemar, wilson_interval
+from priortr.tools.flops import profile_of_stages
 
 SPLITS = ("scenes-test", "easy-vqa-test")
 RUNS = ("default", "layer4")

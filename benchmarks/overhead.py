@@ -6,7 +6,7 @@
 The model is a tiny LLaVA with random weights (a 32-layer Llama of width 64, a 2-layer CLIP tower, one
 28 x 28 image = 16 visual tokens), so transformers' own work is what a real model's is in number of
 ops, and everything the library adds is visible. Counts are exact and machine-independent; host
-times are medians on this machine with one thread (``priortr.overhead``).
+times are medians on this machine with one thread (``priortr.tools.overhead``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from priortr import overhead
+from priortr.tools import overhead
 
 IMAGE_ID = 199
 

@@ -1,11 +1,11 @@
 """The paper's FLOPs and KV-cache columns (Table "Efficiency comparison on LLaVA-1.5-7B"), reproduced
-with ``priortr.flops``, and the assumptions that reproduce them (benchmarks/paper_flops.md).
+with ``priortr.tools.flops``, and the assumptions that reproduce them (benchmarks/paper_flops.md).
 
     python benchmarks/paper_flops.py [--json]
 
 prints our percentages next to the paper's for FastV, PriorTR and PyramidDrop at K = 192/128/64.
 ``paper_fit_error`` is the measure the search over assumptions minimised (benchmarks/paper_flops.md).
-Research only: the library's formulas are ``priortr.flops``; this file is not installed.
+Research only: the library's formulas are ``priortr.tools.flops``; this file is not installed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: python benchmarks/paper_flops.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from priortr.flops import DEFAULT_DECODE_STEPS, DEFAULT_TEXT_TOKENS, TERMS, flops_report
+from priortr.tools.flops import DEFAULT_DECODE_STEPS, DEFAULT_TEXT_TOKENS, TERMS, flops_report
 
 PAPER_FLOPS_PERCENT: dict[str, dict[int, float]] = {
     "fastv": {192: 49.5, 128: 41.1, 64: 32.8},

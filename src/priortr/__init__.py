@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from priortr.adapters import register_adapter, supported_model_types
     from priortr.api import PruningHandle, apply, detach
-    from priortr.engine import PruneResult, PruningSkippedWarning, StageResult
+    from priortr.engine.config import PruningSkippedWarning
+    from priortr.engine.result import PruneResult, StageResult
     from priortr.methods import (
         MethodInfo,
         available_methods,
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
         register_method,
         register_rule,
     )
-    from priortr.scoring import Evidence
-    from priortr.selection import Selection, StageInputs
+    from priortr.methods.scoring import Evidence
+    from priortr.methods.selection import Selection, StageInputs
 
 # each public name (``__all__``) -> the module that defines it
 _HOMES = {
@@ -37,9 +38,9 @@ _HOMES = {
     "PruningHandle": "priortr.api",
     "apply": "priortr.api",
     "detach": "priortr.api",
-    "PruneResult": "priortr.engine",
-    "PruningSkippedWarning": "priortr.engine",
-    "StageResult": "priortr.engine",
+    "PruneResult": "priortr.engine.result",
+    "PruningSkippedWarning": "priortr.engine.config",
+    "StageResult": "priortr.engine.result",
     "MethodInfo": "priortr.methods",
     "available_methods": "priortr.methods",
     "available_rules": "priortr.methods",
@@ -47,9 +48,9 @@ _HOMES = {
     "get_rule": "priortr.methods",
     "register_method": "priortr.methods",
     "register_rule": "priortr.methods",
-    "Evidence": "priortr.scoring",
-    "Selection": "priortr.selection",
-    "StageInputs": "priortr.selection",
+    "Evidence": "priortr.methods.scoring",
+    "Selection": "priortr.methods.selection",
+    "StageInputs": "priortr.methods.selection",
 }
 
 __all__ = [

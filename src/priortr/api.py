@@ -10,24 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from priortr import config_file
 from priortr.adapters import adapter_for
-from priortr.engine import (
-    BEFORE_LLM,
-    DEFAULT_LAYER,
-    HEAD_AGGREGATIONS,
-    POSTERIOR_ROWS,
-    VISION_NEEDS,
-    PruneResult,
-    PruningConfig,
-    PruningEngine,
-)
-from priortr.methods import MethodInfo, get_method
-from priortr.pools import MULTI_IMAGE
-from priortr.scoring import resolve_budget
+from priortr.engine.config import PruningConfig, is_int
+from priortr.engine.hooks import PruningEngine
+from priortr.engine.result import PruneResult
+from priortr.tools import config_file
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-DEFAULT_BUDGET = 64
 
 
 class PruningHandle:
@@ -83,7 +72,7 @@ class PruningHandle:
             with handle.prompt_ends(at=prompt["input_ids"].shape[1]):
                 logits = model(**prompt_and_answer, use_cache=False).logits  # [B, S' + T, V]
         """
-        if not _is_int(at) or at < 1:
+        if not is_int(at) or at < 1:
             raise ValueError(f"at must be the prompt's column count, an int >= 1; got {at!r}")
         return self._engine.prompt_ends(at)
 
@@ -140,15 +129,15 @@ def apply(
         separator_offset: the prior is read this many tokens after the first post-image token.
         multi_image: ``per_image`` (each image or video ranked alone, its Q and P normalised over its
             own tokens, under its share of the budget) or ``global`` (a prompt's images ranked
-            together under one budget; ``priortr.pools``).
+            together under one budget; ``priortr.engine.pools``).
         strict: raise instead of warning when a prompt has nothing to prune.
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
-        config: a config file (``priortr.config_file``, written by ``priortr calibrate``) whose keywords
+        config: a config file (``priortr.tools.config_file``, written by ``priortr calibrate``) whose keywords
             replace the defaults above; a keyword passed here and set differently in the file is refused.
     """
+    settings = {name: value for name, value in locals().items() if name not in ("model", "config")}
     if config is not None:
-        given = {name: value for name, value in locals().items() if name not in ("model", "config")}
-        return apply(model, **config_file.merge(config, given))
+        return apply(model, **config_file.merge(config, settings))
     adapter = adapter_for(model)
     try:
         n_layers = len(adapter.decoder_layers(model))
@@ -158,97 +147,18 @@ def apply(
             f"pass the *ForConditionalGeneration model (the one with generate()); this "
             f"{type(model).__name__} lacks its parts ({error})"
         ) from error
-    info = get_method(method)
-    if info.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
-        raise ValueError(
-            f"{method} ranks by the vision tower's [CLS] attention, and this {adapter.name} model's vision "
-            "tower has no [CLS] token; use a method that needs none (divprune, dart, or an in-LLM method)"
-        )
     if model in _ATTACHED:
         raise ValueError(
             "this model already has priortr attached; call .remove() on that handle first, "
             "or priortr.detach(model) if you no longer have it"
         )
-    config = pruning_config(
-        method,
-        budget,
-        layer,
-        n_layers=n_layers,
-        stages=stages,
-        options=options,
-        heads=heads,
-        posterior_rows=posterior_rows,
-        separator_offset=separator_offset,
-        multi_image=multi_image,
-        strict=strict,
-        seed=seed,
-    )
-    _check_injection(config, adapter.injected_layers(model), n_layers)
-    _check_scored_layers(config, adapter.attention_layers(model), n_layers)
+    config = PruningConfig.of(n_layers=n_layers, **settings)
+    config.check_fits(adapter, model, n_layers)
     engine = PruningEngine(model, adapter, config)
     engine.attach()
     handle = PruningHandle(engine)
     _ATTACHED[model] = handle
     return handle
-
-
-def pruning_config(
-    method: str = "priortr",
-    budget: int | float | None = None,
-    layer: int | None = None,
-    *,
-    n_layers: int,
-    stages: Sequence[tuple[int, int | float]] | None = None,
-    options: Mapping[str, Any] | None = None,
-    heads: str = "mean",
-    posterior_rows: str = "after_separator",
-    separator_offset: int = 0,
-    multi_image: str = "per_image",
-    strict: bool = False,
-    seed: int = 0,
-) -> PruningConfig:
-    """The checked ``PruningConfig`` of :func:`apply`'s settings for a language model of ``n_layers``
-    decoder layers; every front end (``apply``, the vLLM plug-in) validates through here, so a bad
-    setting gets the same message everywhere."""
-    info = get_method(method)
-    if stages is not None and (budget is not None or layer is not None):
-        given = ", ".join(
-            f"{name}={value!r}" for name, value in (("budget", budget), ("layer", layer)) if value is not None
-        )
-        raise ValueError(
-            f"stages= sets the layer and budget of every stage, so it conflicts with {given}; "
-            "pass either stages or budget/layer"
-        )
-    budget = DEFAULT_BUDGET if budget is None else budget
-    resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
-    layer = _check_layer(info, layer, n_layers)
-    stages = _check_stages(info, stages, n_layers)
-    options = _check_options(info, options)
-    if heads not in HEAD_AGGREGATIONS:
-        raise ValueError(f"heads must be one of {', '.join(HEAD_AGGREGATIONS)}; got {heads!r}")
-    if posterior_rows not in POSTERIOR_ROWS:
-        raise ValueError(f"posterior_rows must be one of {', '.join(POSTERIOR_ROWS)}; got {posterior_rows!r}")
-    if isinstance(separator_offset, bool) or not isinstance(separator_offset, int) or separator_offset < 0:
-        raise ValueError(f"separator_offset must be an int >= 0; got {separator_offset!r}")
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False; got {strict!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an int; got {seed!r}")
-    if multi_image not in MULTI_IMAGE:
-        raise ValueError(f"multi_image must be one of {', '.join(MULTI_IMAGE)}; got {multi_image!r}")
-    return PruningConfig(
-        method=info,
-        budget=budget,
-        layer=layer,
-        stages=stages,
-        options=options,
-        heads=heads,
-        posterior_rows=posterior_rows,
-        separator_offset=separator_offset,
-        multi_image=multi_image,
-        strict=strict,
-        seed=seed,
-    )
 
 
 def detach(model: nn.Module) -> bool:
@@ -259,102 +169,3 @@ def detach(model: nn.Module) -> bool:
         return False
     handle.remove()
     return True
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
-    if info.where != "layer":
-        if layer is not None:
-            where = "before the language model" if info.where == "vision" else "on its own schedule of layers"
-            raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
-        return DEFAULT_LAYER
-    if layer is None:
-        layer = info.default_layer
-    if not _is_int(layer) or not 0 <= layer <= n_layers - 2:
-        raise ValueError(
-            f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "
-            f"(the scored layer must have a layer after it); got {layer!r}"
-        )
-    return layer
-
-
-def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:
-    """Refuse stages that would prune while the model still adds visual features to the hidden states
-    (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers)."""
-    if injected == 0:
-        return
-    first = min(layer for layer, _ in config.plan(1 << 20, n_layers))
-    if first < injected - 1:
-        where = "before the language model" if first == BEFORE_LLM else f"after layer {first}"
-        raise ValueError(
-            f"this model adds visual features to the outputs of decoder layers 0..{injected - 1} "
-            "(DeepStack), "
-            f"so {config.method.name} cannot prune {where}; score layer {injected - 1} or later"
-        )
-
-
-def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: int) -> None:
-    """Refuse stages whose evidence needs attention rows at a layer without softmax attention (Qwen3.5's
-    linear-attention layers have a recurrent state, no attention matrix): the scored layer itself
-    (``attention``, ``keys``) or the one after it (``next_attention``)."""
-    offset = 1 if "next_attention" in config.method.needs else 0
-    if not config.method.needs & {"attention", "keys", "next_attention"} or len(attention) == n_layers:
-        return
-    for layer, _ in config.plan(1 << 20, n_layers):
-        if layer == BEFORE_LLM or layer + offset in attention:
-            continue
-        allowed = [index - offset for index in attention if 0 <= index - offset <= n_layers - 2]
-        nearest = min(allowed, key=lambda index: (abs(index - layer), index), default=None)
-        which = "the layer after the scored one" if offset else "the scored layer"
-        raise ValueError(
-            f"{config.method.name} reads attention at {which}, and decoder layer {layer + offset} of this "
-            f"model has no softmax attention (only layers {attention} do); "
-            + (
-                f"score layer {nearest} instead"
-                if nearest is not None
-                else "no layer of this model can be scored"
-            )
-        )
-
-
-def _check_stages(
-    info: MethodInfo, stages: Sequence[tuple[int, int | float]] | None, n_layers: int
-) -> tuple[tuple[int, int | float], ...] | None:
-    if stages is None:
-        return None
-    if info.where == "vision":
-        raise ValueError(f"{info.name} prunes before the language model; it takes no stages")
-    given = stages
-    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence):
-        stages = ()
-    stages = tuple(tuple(stage) if isinstance(stage, Sequence) else (stage,) for stage in stages)
-    if not stages or any(len(stage) != 2 for stage in stages):
-        raise ValueError(f"stages must be a non-empty list of (layer, budget) pairs; got {given!r}")
-    layers = [stage[0] for stage in stages]
-    if not all(_is_int(layer) and 0 <= layer <= n_layers - 2 for layer in layers) or layers != sorted(
-        set(layers)
-    ):
-        raise ValueError(
-            f"stage layers must be strictly increasing ints in [0, {n_layers - 2}]; got {layers}"
-        )
-    counts = [resolve_budget(budget, n_visual=1 << 30) for _, budget in stages]  # validates each budget
-    if counts != sorted(counts, reverse=True) or len({type(budget) for _, budget in stages}) != 1:
-        raise ValueError(
-            "stage budgets must all be counts or all ratios, and must not increase; "
-            f"got {[budget for _, budget in stages]}"
-        )
-    return stages
-
-
-def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    if options is not None and not isinstance(options, Mapping):
-        raise ValueError(f"options must be a dict of the method's knobs by name; got {options!r}")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(info.knobs))
-    if unknown:
-        known = ", ".join(f"{name}={default!r}" for name, default in info.knobs.items()) or "none"
-        raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
-    return options

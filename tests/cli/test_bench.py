@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-from priortr import bench, flops
 from priortr.cli import main
+from priortr.tools import bench, flops
 
 TEXT, N_VISUAL, K = 48, 576, 64
 

@@ -19,11 +19,11 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import priortr
-from priortr import calibrate
 from priortr.cli import main
-from priortr.config_file import read_config, write_config
-from priortr.flops import scheduled_prefill_flops
-from priortr.prompts import prompt_text
+from priortr.tools import calibrate, calibration_report
+from priortr.tools.config_file import read_config, write_config
+from priortr.tools.flops import scheduled_prefill_flops
+from priortr.tools.prompts import prompt_text
 from tests.helpers.tiny import LLAVA_N_VISUAL
 
 PROMPTS = ["what is in the image", "describe this picture", "what color is the cat", "is the cat red"]
@@ -196,7 +196,7 @@ def test_apply_reads_a_config_through_its_own_validation(loaded, tmp_path: Path)
 
 def test_plugin_reads_a_config(checkpoint: Path, tmp_path: Path) -> None:
     pytest.importorskip("lmms_eval")
-    from priortr.lmms_plugin import PriorTRLMMs
+    from priortr.integrations.lmms_eval.model import PriorTRLMMs
 
     path = write_config(tmp_path / "c.json", {"method": "fastv", "budget": 4, "layer": 1})
     lm = PriorTRLMMs(pretrained=str(checkpoint), config=str(path), device="cpu", dtype="float64")
@@ -317,7 +317,8 @@ def test_bench_takes_a_config_with_or_without_options(checkpoint: Path, tmp_path
 def scripted_timings(monkeypatch, model, timings: dict) -> None:
     """The language-model prefill times each configuration measures, in turn: keyed by
     (method, budget) of the pruning attached to ``model`` at the time (None: the unpruned model)."""
-    from priortr import api, bench
+    from priortr import api
+    from priortr.tools import timing
 
     served = {key: itertools.cycle(values) for key, values in timings.items()}
 
@@ -325,7 +326,7 @@ def scripted_timings(monkeypatch, model, timings: dict) -> None:
         handle = api._ATTACHED.get(model)
         return next(served[None if handle is None else (handle.config.method.name, handle.config.budget)])
 
-    monkeypatch.setattr(bench.Clock, "elapsed_ms", elapsed_ms)
+    monkeypatch.setattr(timing.Clock, "elapsed_ms", elapsed_ms)
 
 
 def test_a_speed_up_within_noise_is_flagged_and_not_recommended(
@@ -343,11 +344,11 @@ def test_a_speed_up_within_noise_is_flagged_and_not_recommended(
     assert by_budget[8].speedup == pytest.approx(2.5) and not by_budget[8].resolved
     assert by_budget[LLAVA_N_VISUAL].speedup == pytest.approx(100 / 60) and by_budget[LLAVA_N_VISUAL].resolved
     assert result.recommendations()["fastv"].budget == LLAVA_N_VISUAL
-    table = result.to_markdown()
+    table = calibration_report.to_markdown(result)
     assert "| 2.50x (!) |" in table and "| 1.67x |" in table
     assert "warning: fastv L1 K=8: the LM prefill medians differ by less than the spread" in table
     assert "100.00 (range 100.00-104.00, 3 runs)" in table
-    document = result.to_dict()["measurements"]
+    document = calibration_report.to_dict(result)["measurements"]
     assert [m["speedup_resolved"] for m in document] == [True, False]
 
 
@@ -375,4 +376,4 @@ def test_the_demo_flags_a_speed_up_within_noise(loaded, tmp_path: Path, monkeypa
 def test_rank_by_reaches_the_result(loaded, folder: Path, tmp_path: Path) -> None:
     """Before: calibrate() checked rank_by and then ranked by speed-up whatever was asked."""
     result = run_calibration(loaded, folder, tmp_path, calibrate.grid(["fastv"], [1], [8]), rank_by="flops")
-    assert result.rank_by == "flops" and result.to_dict()["rank_by"] == "flops"
+    assert result.rank_by == "flops" and calibration_report.to_dict(result)["rank_by"] == "flops"

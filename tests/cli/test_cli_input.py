@@ -19,8 +19,8 @@ from PIL import Image
 from transformers import LlamaConfig
 
 import priortr
-from priortr import bench, loading
 from priortr.cli import arguments, build_parser, checks, main
+from priortr.tools import bench, loading
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 
 PROMPT = ["--prompt", "what is in the image"]

@@ -29,8 +29,8 @@ import pytest
 
 pytest.importorskip("lmms_eval")
 
-from priortr import report
 from priortr.cli import main
+from priortr.tools import report
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.lmms import BUDGET, N_VISUAL, TASK_DIR, lmms_eval_command
 from tests.helpers.lmms_task.utils import CALLS_ENV, CHOICES, RECORDS, write_local_dataset

@@ -1,4 +1,5 @@
-"""``priortr.loading``: the one way every front end loads a model, and its errors; the one budget parser."""
+"""``priortr.tools.loading``: the one way every front end loads a model, and its errors; the one budget
+parser."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from priortr import loading
-from priortr.config_file import parse_budget
-from priortr.prompts import prompt_text
+from priortr.tools import loading
+from priortr.tools.config_file import parse_budget
+from priortr.tools.prompts import prompt_text
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 
 

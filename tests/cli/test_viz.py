@@ -1,4 +1,4 @@
-"""Token-to-region mapping and the prior/posterior/score figure (``priortr.viz``, ``priortr viz``)."""
+"""Token-to-region mapping and the prior/posterior/score figure (``priortr.tools.viz``, ``priortr viz``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, BatchFeature
 
-from priortr import viz
 from priortr.adapters import adapter_for
 from priortr.cli import main
+from priortr.tools import families, viz
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.tiny import (
     QWEN_IMAGE_ID,
@@ -94,16 +94,16 @@ def test_scores_to_grid_is_raster_order() -> None:
         viz.scores_to_grid(torch.arange(12.0), (3, 5))
 
 
-# -- adapters: visual_grid and image_view ------------------------------------------------------------------
+# -- families: visual_grid and image_view ------------------------------------------------------------------
 
 
 def test_llava_visual_grid_is_square_patch_grid() -> None:
     model = tiny_llava(dtype=torch.float32)
     adapter = adapter_for(model)
-    assert adapter.visual_grid(model.config, {}, 0) == (4, 4)
+    assert families.visual_grid(adapter, model.config, {}, 0) == (4, 4)
     model.config.image_seq_length = 17  # e.g. CLS kept ("full" strategy): no grid
     with pytest.raises(ValueError, match="not the 4x4 patch grid"):
-        adapter.visual_grid(model.config, {}, 0)
+        families.visual_grid(adapter, model.config, {}, 0)
 
 
 @pytest.mark.parametrize("build", [tiny_qwen2_vl, tiny_qwen2_5_vl])
@@ -112,8 +112,8 @@ def test_qwen_visual_grid_is_merged_patch_grid_in_raster_order(build) -> None:
     batch = qwen_batch(model, batch_size=2, grid=(1, 4, 8))  # 4 x 8 patches, merged 2x2: 2 rows, 4 cols
     inputs = batch.kwargs()
     adapter = adapter_for(model)
-    assert adapter.visual_grid(model.config, inputs, 0) == (2, 4)
-    assert adapter.visual_grid(model.config, inputs, 1) == (2, 4)
+    assert families.visual_grid(adapter, model.config, inputs, 0) == (2, 4)
+    assert families.visual_grid(adapter, model.config, inputs, 1) == (2, 4)
     # The model's own M-RoPE height/width ids of the visual tokens say where each token sits.
     positions, _ = model.model.get_rope_index(
         batch.input_ids,
@@ -134,7 +134,7 @@ def test_qwen_visual_grid_from_the_image_processor_of_a_wide_image() -> None:
     processor = QwenImageProcessor(min_pixels=28 * 28, max_pixels=64 * 28 * 28, patch_size=14, merge_size=2)
     inputs = processor(Image.new("RGB", (112, 56)), return_tensors="pt")  # width 112, height 56
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8]]
-    assert adapter_for(model).visual_grid(model.config, inputs, 0) == (2, 4)
+    assert families.visual_grid(adapter_for(model), model.config, inputs, 0) == (2, 4)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_qwen_visual_grid_from_the_image_processor_of_a_wide_image() -> None:
 def test_llava_image_view_is_the_processor_centre_crop(llava, size, box) -> None:
     model, processor = llava
     image = gradient(*size)
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     assert view.size == (box[2] - box[0], box[3] - box[1])
     assert view.tobytes() == image.crop(box).tobytes()
     # The processor sees the same pixels in the view as in the whole image (up to resampling).
@@ -159,7 +159,7 @@ def test_llava_image_view_with_do_pad_is_the_padded_square() -> None:
         do_pad=True, size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
     )
     image = gradient(80, 40)
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     assert view.size == (80, 80)
     assert view.crop((0, 20, 80, 60)).tobytes() == image.tobytes()
     assert view.getpixel((0, 0)) == tuple(int(m * 255) for m in processor.image_mean)
@@ -168,7 +168,7 @@ def test_llava_image_view_with_do_pad_is_the_padded_square() -> None:
 def test_qwen_image_view_is_the_whole_image() -> None:
     model = tiny_qwen2_5_vl(dtype=torch.float32)
     image = gradient(90, 50)
-    view = adapter_for(model).image_view(image, QwenImageProcessor())
+    view = families.image_view(adapter_for(model), image, QwenImageProcessor())
     assert view.size == (90, 50) and view.tobytes() == image.tobytes()
 
 
@@ -200,7 +200,7 @@ def test_attention_maps_and_render_on_the_tiny_checkpoint(llava, tmp_path: Path)
         assert set(top.tolist()) == set(maps.kept.flatten().nonzero().flatten().tolist())
     assert not torch.equal(results[0].scores, results[2].scores)  # layers 1 and 2 differ
 
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     path = viz.render(results, view, tmp_path / "sub" / "maps.png", title="tiny")
     assert path.stat().st_size > 10_000
     assert distinct_colours(path) > 1_000
@@ -250,7 +250,7 @@ def test_attention_maps_on_a_wide_qwen_image(tmp_path: Path) -> None:
     image = gradient(168, 56)  # 4 x 12 patches (h x w), merged 2x2: 2 rows of 6 tokens
     (maps,) = viz.attention_maps(model, processor, image, PROMPT, layers=(2,), budgets=(5,))
     assert maps.grid == (2, 6) and maps.n_kept == 5 and maps.n_visual == 12
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     path = viz.render([maps], view, tmp_path / "qwen.png")
     assert path.stat().st_size > 10_000
 

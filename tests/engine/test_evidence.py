@@ -10,7 +10,7 @@ import priortr
 from priortr.adapters.base import VisualItem
 from priortr.engine.evidence import per_item_prior
 from priortr.engine.plan import pool_rows
-from priortr.pools import Pool
+from priortr.engine.pools import Pool
 from tests.helpers.tiny import llava_batch, tiny_llava
 from tests.helpers.tiny_qwen3_vl import qwen3_vl_batch, tiny_qwen3_vl
 

@@ -1,4 +1,4 @@
-"""What the engine adds to a decode step and a prefill, counted (``priortr.overhead``): counts are
+"""What the engine adds to a decode step and a prefill, counted (``priortr.tools.overhead``): counts are
 deterministic where timings are not, so the targets of GPU-grade decoding are asserted here.
 
 A decode step on a pruned cache must dispatch what a vanilla decode step dispatches: no host sync,
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import priortr
-from priortr import overhead
-from priortr.checks import value_checks_enabled
 from priortr.methods import get_rule
-from priortr.scoring import build_evidence, select_top_k
+from priortr.methods.scoring import build_evidence, select_top_k
+from priortr.methods.value_checks import value_checks_enabled
+from priortr.tools import overhead
 from tests.helpers.tiny import llava_batch, tiny_llava
 
 METHODS = {"priortr": 1, "fastv": 1, "pdrop": None, "divprune": None}  # one-layer, multi-stage, pre-LLM

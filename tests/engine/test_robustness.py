@@ -15,8 +15,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import priortr
-from priortr import viz
 from priortr.engine.ledger import ATTRIBUTE, write_ledger
+from priortr.tools import viz
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.families import setup
 from tests.helpers.oracle import masked_reference

@@ -25,6 +25,7 @@ from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
 from priortr.adapters.video_llava import VideoLlavaAdapter
+from priortr.tools import families
 from tests.helpers.families import FAMILIES
 from tests.helpers.tiny import TEXT_LO
 
@@ -66,7 +67,7 @@ DUMMY_TOKENS = {
     "qwen3.5-moe": 576,
     "gemma3": 16,
 }
-"""Visual tokens per row of ``dummy_inputs(config, 2, 8, ...)`` (the benchmark prompt)."""
+"""Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 
 FAMILY_NAMES = list(FAMILIES)
 
@@ -193,7 +194,7 @@ def test_dummy_inputs_run_and_parse(models, family):
     image per row, of the expected size."""
     model = models[family]
     adapter = adapter_for(model)
-    inputs = adapter.dummy_inputs(model.config, 2, 8, torch.Generator().manual_seed(0))
+    inputs = families.dummy_inputs(adapter, model.config, 2, 8, torch.Generator().manual_seed(0))
     inputs = compat.inputs.rename_image_argument(model, inputs)
     inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     items = adapter.visual_items(model.config, inputs["input_ids"])

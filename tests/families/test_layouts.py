@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import priortr
-from priortr import bench
+from priortr.tools import bench
 from tests.helpers.families import FAMILIES, LAYOUTS
 from tests.helpers.pruned import assert_matches_reference, generate
 
@@ -59,7 +59,7 @@ def test_layout_with_a_budget_covering_every_token_is_the_stock_model(family, la
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llava", "qwen2-vl", "qwen2.5-vl")])
 def test_bench_runs_on_the_family_and_measures_the_expected_cache(family):
-    """``priortr bench`` builds a realistic prompt from the adapter's ``dummy_inputs`` and the pruned
+    """``priortr bench`` builds a realistic prompt from ``families.dummy_inputs`` and the pruned
     cache it measures holds exactly the text plus the kept tokens."""
     model = FAMILIES[family][0](dtype=torch.float32)
     report = bench.run_bench(

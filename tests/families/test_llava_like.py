@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.video_llava import VideoLlavaAdapter
-from priortr.probe import cls_attention
+from priortr.engine.attention import cls_attention
 from tests.helpers.tiny import TEXT_HI, TEXT_LO, Batch
 from tests.helpers.tiny_llava_family import (
     IMAGE_ID,

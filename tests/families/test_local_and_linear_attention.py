@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import priortr
-from priortr import overhead
+from priortr.tools import overhead
 from tests.helpers.families import FAMILIES
 from tests.helpers.pruned import kept_rows, pruned_columns, reference_for
 from tests.helpers.tiny import Batch

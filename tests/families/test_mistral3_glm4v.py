@@ -12,6 +12,7 @@ import torch
 import priortr
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
+from priortr.tools import families
 from tests.helpers.tiny_glm4v import (
     GLM_IMAGE_END_ID,
     glm4v_batch,
@@ -93,7 +94,7 @@ def test_mistral3_an_image_without_its_end_marker_is_refused():
 def test_mistral3_visual_grid_reads_image_sizes():
     model = tiny_mistral3()
     batch = mistral3_ragged_batch(model, 2)
-    assert Mistral3Adapter().visual_grid(model.config, batch.kwargs(), 1) == (4, 5)
+    assert families.visual_grid(Mistral3Adapter(), model.config, batch.kwargs(), 1) == (4, 5)
 
 
 @pytest.mark.parametrize("layout", [glm4v_batch, glm4v_multi_image_batch, glm4v_video_batch])

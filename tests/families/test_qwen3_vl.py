@@ -11,6 +11,7 @@ import torch
 
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
+from priortr.tools import families
 from tests.helpers.tiny import QWEN_IMAGE_ID, QWEN_VIDEO_ID, QWEN_VISION_END_ID, Batch
 from tests.helpers.tiny_qwen3_vl import (
     BATCHES,
@@ -134,7 +135,7 @@ def test_visual_items_are_the_placeholder_runs_with_their_vision_end(model, layo
 
 def test_visual_grid_is_the_merged_image_grid(model):
     batch = BATCHES["image"](model, batch_size=2)
-    assert ADAPTER.visual_grid(model.config, batch.kwargs(), 1) == (3, 4)  # 6x8 patches, 2x2 merge
+    assert families.visual_grid(ADAPTER, model.config, batch.kwargs(), 1) == (3, 4)  # 6x8 patches, 2x2 merge
 
 
 class _HiddenStates:
@@ -264,7 +265,7 @@ def test_text_positions_of_what_generate_passes(model):
 def test_dummy_inputs_grid_is_576_merged_patches_per_row(model):
     """The benchmark prompt's ``image_grid_thw`` and pixels agree with its 576 tokens per row (the
     contract suite checks the token runs)."""
-    inputs = ADAPTER.dummy_inputs(model.config, 2, 8, torch.Generator().manual_seed(0))
+    inputs = families.dummy_inputs(ADAPTER, model.config, 2, 8, torch.Generator().manual_seed(0))
     items = ADAPTER.visual_items(model.config, inputs["input_ids"])
     assert all(inputs["input_ids"][item.row, item.separator] == QWEN_VISION_END_ID for item in items)
     merge = model.config.vision_config.spatial_merge_size

@@ -15,10 +15,10 @@ import torch
 
 import priortr
 from priortr.cli import main
-from priortr.engine import DEFAULT_LAYER, VISION_NEEDS, PruningConfig
+from priortr.engine.attention import cls_attention
+from priortr.engine.config import DEFAULT_LAYER, VISION_NEEDS, PruningConfig
 from priortr.methods.recycling import recycle_counts
-from priortr.probe import cls_attention
-from priortr.selection import Selection, StageInputs
+from priortr.methods.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup
 from tests.helpers.pruned import (
     NEW_TOKENS,
@@ -55,7 +55,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
         result = handle.last
         out = generate(model, batch)
     k = result.kept.shape[1]
-    assert k == priortr.scoring.resolve_budget(budget, batch.n_visual)
+    assert k == priortr.methods.scoring.resolve_budget(budget, batch.n_visual)
     assert logits.shape[1] == batch.seq_len - batch.n_visual + k
     assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
     for cache_layer in out.past_key_values.layers:  # text + K in every layer, whatever the stage

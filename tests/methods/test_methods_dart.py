@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from priortr.methods.dart import dart
+from priortr.methods.selection import Selection, StageInputs
 from priortr.methods.setorder import set_order
-from priortr.selection import Selection, StageInputs
 
 
 def _at_angles(*degrees: float, norms: list[float] | None = None) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from priortr.methods.divprune import divprune
+from priortr.methods.selection import Selection, StageInputs
 from priortr.methods.vispruner import vispruner
-from priortr.selection import Selection, StageInputs
 
 SELECTORS: dict[str, Callable[[StageInputs], Selection]] = {
     "divprune": divprune,

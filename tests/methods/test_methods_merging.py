@@ -7,15 +7,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from priortr.checks import value_checks_enabled
 from priortr.methods.clustering import dpc_knn, kmeans
 from priortr.methods.priortr import priortr_merge
 from priortr.methods.prumerge import prumerge
 from priortr.methods.recycling import recycle_counts, split_budget
+from priortr.methods.scoring import Evidence
+from priortr.methods.selection import Selection, StageInputs
 from priortr.methods.sparsevlm import sparsevlm, sparsevlm_raters, sparsevlm_stages
+from priortr.methods.value_checks import value_checks_enabled
 from priortr.methods.visionzip import visionzip
-from priortr.scoring import Evidence
-from priortr.selection import Selection, StageInputs
 
 METHODS: dict[str, Callable[..., Selection]] = {
     "visionzip": visionzip,

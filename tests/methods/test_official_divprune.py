@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import priortr
-from priortr.selection import StageInputs
+from priortr.methods.selection import StageInputs
 from tests.helpers.official_vision import one_image, overlap, pruned_run, tiny_llava_576, tower_tensors
 
 

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from priortr import cli, loading
+from priortr import cli
 from priortr.testbed import evaluate
 from priortr.testbed.data import Sample
 from priortr.testbed.evaluate import Cell, Report, first_word
+from priortr.tools import loading
 
 
 def sample(answer: str, kind: str = "colour") -> Sample:
@@ -194,7 +195,7 @@ def test_a_cell_with_some_questions_answered_is_marked_partial():
 
 def test_eval_takes_a_config_that_sets_options(monkeypatch, tmp_path):
     """Before: eval took only method, budget and layer from a config and sent the user to `generate`."""
-    from priortr.config_file import write_config
+    from priortr.tools.config_file import write_config
 
     setting = {"method": "priortr+merge", "budget": 64, "options": {"adaptive": True}}
     config = write_config(tmp_path / "merge.json", setting)

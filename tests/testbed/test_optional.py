@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from priortr import loading, testbed
+from priortr import testbed
 from priortr.cli import main
+from priortr.tools import loading
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "priortr"

@@ -15,8 +15,8 @@ import statistics
 import pytest
 import torch
 
-from priortr import bench
-from priortr.journal import Journal
+from priortr.tools import bench
+from priortr.tools.journal import Journal
 from tests.helpers.tiny import llava_batch, tiny_llava
 
 

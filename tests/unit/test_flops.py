@@ -1,4 +1,4 @@
-"""Analytic FLOPs (``priortr.flops``) and the shipped true-shape configs (``priortr.configs``)."""
+"""Analytic FLOPs (``priortr.tools.flops``) and the shipped true-shape configs (``priortr.tools.configs``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 import priortr
-from priortr import flops
-from priortr.configs import config_dict, load_config, shipped_configs
-from priortr.flops import (
+from priortr.tools import flops
+from priortr.tools.configs import config_dict, load_config, shipped_configs
+from priortr.tools.flops import (
     LayerProfile,
     ModelShape,
     TextShape,

@@ -1,4 +1,4 @@
-"""The record of a long run (``priortr.journal``): one run at a time per record, a line cut short by a
+"""The record of a long run (``priortr.tools.journal``): one run at a time per record, a line cut short by a
 crash never breaks the lines appended after it, and outputs are replaced whole."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from priortr.journal import Journal, write_whole
+from priortr.tools.journal import Journal, write_whole
 
 
 def lines(path) -> list[dict]:
@@ -36,7 +36,7 @@ def test_the_lock_holds_across_processes_and_is_released_when_the_holder_dies(tm
         [
             sys.executable,
             "-c",
-            "import sys, pathlib; from priortr.journal import Journal; "
+            "import sys, pathlib; from priortr.tools.journal import Journal; "
             f"j = Journal(pathlib.Path({str(path)!r}), {{}}, False); j.append({{'a': 1}}); "
             "print('held', flush=True); sys.stdin.read()",
         ],

@@ -1,5 +1,5 @@
-"""The paper's FLOPs and KV-cache columns reproduced with ``priortr.flops`` (``benchmarks/paper_flops.py``,
-research code outside the installed package; benchmarks/paper_flops.md)."""
+"""The paper's FLOPs and KV-cache columns reproduced with ``priortr.tools.flops``
+(``benchmarks/paper_flops.py``, research code outside the installed package; benchmarks/paper_flops.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import paper_flops
-from priortr import flops
+from priortr.tools import flops
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paper_flops.py"
 

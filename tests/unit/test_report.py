@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from priortr import report
 from priortr.cli import main
+from priortr.tools import report
 
 PAPER_CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "reference" / "paper-accuracy-llava15-7b.csv"
 MODEL = "llava-hf/llava-1.5-7b-hf"

@@ -1,4 +1,5 @@
-"""Tests for priortr.scoring and the scoring rules of priortr.methods: evidence, rules, budgets, top-K."""
+"""Tests for priortr.methods.scoring and the scoring rules of priortr.methods: evidence, rules, budgets,
+top-K."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from priortr.methods import available_rules, get_rule, register_rule
-from priortr.scoring import (
+from priortr.methods.scoring import (
     EPS,
     Evidence,
     aggregate_heads,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from priortr.probe import apply_rope
-from priortr.surgery import gather_sequence
+from priortr.engine.attention import apply_rope
+from priortr.engine.sequence import gather_sequence
 
 
 @dataclass(frozen=True)
@@ -190,18 +190,6 @@ class FamilyAdapter:
         keys = key_out.view(*key_out.shape[:2], -1, head_dim).transpose(1, 2)
         return queries, keys
 
-    def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
-        """(rows, cols) of the visual tokens of batch row ``row``'s image, which come in raster order.
-
-        Used to draw token scores over the image (``priortr.viz``, the paper's qualitative figure).
-        ``inputs`` are the processor's outputs for the batch.
-        """
-        raise NotImplementedError(f"the {self.name or type(self).__name__} adapter declares no visual_grid")
-
-    def image_view(self, image, processor):
-        """The part of the PIL ``image`` that the token grid spans, as the family's processor sees it."""
-        raise NotImplementedError(f"the {self.name or type(self).__name__} adapter declares no image_view")
-
     def vision_probe(self, model: nn.Module) -> VisionProbe | None:
         """The [CLS] attention of the vision tower, or None when the family's tower has no [CLS] token."""
         return None
@@ -210,25 +198,3 @@ class FamilyAdapter:
         """The first and last modules of the image path (vision tower, projector), for timing it."""
         multimodal = self.multimodal_model(model)
         return multimodal.vision_tower, multimodal.multi_modal_projector
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """Random model inputs with one full-size image per row and ``text_tokens`` text tokens, laid out
-        as the family's chat template does, for benchmarks on models without a processor."""
-        vision = config.vision_config
-        n_visual = config.image_seq_length
-        image_id = config.image_token_id
-        ids = prompt_layout(image_id, n_visual, text_tokens, image_id - 1, batch, generator)
-        pixels = torch.randn(batch, 3, vision.image_size, vision.image_size, generator=generator)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
-
-
-def prompt_layout(
-    image_id: int, n_visual: int, text_tokens: int, text_id_limit: int, batch: int, generator: torch.Generator
-) -> torch.Tensor:
-    """``[text x 4, image x N, text x (text_tokens - 4)]`` token ids, [B, text_tokens + N]; the first
-    text token after the image is the separator."""
-    if text_tokens < 6:
-        raise ValueError(f"a benchmark prompt needs at least 6 text tokens; got {text_tokens}")
-    text = torch.randint(100, text_id_limit, (batch, text_tokens), generator=generator)
-    image = torch.full((batch, n_visual), image_id)
-    return torch.cat([text[:, :4], image, text[:, 4:]], dim=1)

@@ -16,7 +16,7 @@ models, window 512-1024) with a hybrid cache.
 import torch
 from torch import nn
 
-from priortr.adapters.base import FamilyAdapter, prompt_layout
+from priortr.adapters.base import FamilyAdapter
 
 
 class Gemma3Adapter(FamilyAdapter):
@@ -35,21 +35,3 @@ class Gemma3Adapter(FamilyAdapter):
             )
         queries, keys = super().queries_and_keys(attention, query_out, key_out)
         return attention.q_norm(queries), attention.k_norm(keys)
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """One image per row, ``mm_tokens_per_image`` tokens (256 as released) between
-        ``<start_of_image>`` and ``<end_of_image>``, with the processor's ``token_type_ids``."""
-        n_visual = config.mm_tokens_per_image
-        image_id = config.image_token_id
-        limit = min(image_id, config.boi_token_index, config.eoi_token_index)
-        ids = prompt_layout(image_id, n_visual, text_tokens, limit, batch, generator)
-        start = ids.new_full((batch, 1), config.boi_token_index)
-        end = ids.new_full((batch, 1), config.eoi_token_index)
-        ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
-        size = config.vision_config.image_size
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch, 3, size, size, generator=generator),
-            "token_type_ids": (ids == image_id).long(),
-        }

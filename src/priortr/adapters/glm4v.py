@@ -18,9 +18,9 @@
 import torch
 from torch import nn
 
-from priortr.adapters.base import VisualItem, prompt_layout, visual_runs
+from priortr.adapters.base import VisualItem, visual_runs
 from priortr.adapters.qwen2_vl import QwenVLAdapter
-from priortr.probe import apply_rope, rotate_pairs
+from priortr.engine.attention import apply_rope, rotate_pairs
 
 
 class Glm4vAdapter(QwenVLAdapter):
@@ -46,23 +46,3 @@ class Glm4vAdapter(QwenVLAdapter):
         """GLM's RoPE: neighbouring dimensions rotate together, over the first ``cos.shape[-1]`` of a head."""
         cos, sin = rope
         return apply_rope(x, cos, sin, rotate=rotate_pairs)
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """A 672x672 image: a 48x48 patch grid merged 2x2 into 576 tokens, as LLaVA-1.5's budget scale,
-        between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
-        vision = config.vision_config
-        grid = (1, 48, 48)
-        n_visual = grid[1] * grid[2] // vision.spatial_merge_size**2
-        limit = min(config.image_start_token_id, config.image_end_token_id, config.video_start_token_id)
-        ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
-        start = ids.new_full((batch, 1), config.image_start_token_id)
-        end = ids.new_full((batch, 1), config.image_end_token_id)
-        ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
-        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch * grid[1] * grid[2], patch, generator=generator),
-            "image_grid_thw": torch.tensor([grid] * batch),
-            "mm_token_type_ids": (ids == config.image_token_id).long(),
-        }

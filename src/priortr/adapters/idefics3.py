@@ -79,33 +79,3 @@ class Idefics3Adapter(FamilyAdapter):
         """None: the SigLIP tower has no [CLS] token, and the connector's pixel shuffle makes each visual
         token ``scale_factor**2`` patches."""
         return None
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """A 640x427 photo as the processors split it: resized to the longest edge of 4 sub-images, a 3x4
-        grid plus the global image, 13 sub-images (1053 tokens for SmolVLM2-2.2B, 832 for SmolVLM-256M).
-
-        The ``text_tokens`` text tokens come on top of the image's 32 markers, whose ids are stand-ins just
-        below ``<image>``: ``<fake>`` right under it, then newline and the tags."""
-        if text_tokens < 6:
-            raise ValueError(f"a benchmark prompt needs at least 6 text tokens; got {text_tokens}")
-        rows, cols = 3, 4
-        vision = config.vision_config
-        n_sub = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
-        image_id = config.image_token_id
-        fake, global_tag, newline = image_id - 1, image_id - 2, image_id - 3
-        image: list[int] = []
-        for i in range(rows):
-            for j in range(cols):
-                image += [fake, global_tag - 1 - (cols * i + j), *[image_id] * n_sub]
-            image.append(newline)
-        image += [newline, fake, global_tag, *[image_id] * n_sub, fake]
-        text = torch.randint(100, global_tag - 1 - rows * cols, (batch, text_tokens), generator=generator)
-        ids = torch.cat([text[:, :4], torch.tensor(image).expand(batch, -1), text[:, 4:]], dim=1)
-        size = vision.image_size
-        n_images = rows * cols + 1
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch, n_images, 3, size, size, generator=generator),
-            "pixel_attention_mask": torch.ones(batch, n_images, size, size, dtype=torch.bool),
-        }

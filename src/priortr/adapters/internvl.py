@@ -16,7 +16,7 @@
 import torch
 from torch import nn
 
-from priortr.adapters.base import FamilyAdapter, VisionProbe, prompt_layout
+from priortr.adapters.base import FamilyAdapter, VisionProbe
 
 
 class InternVLAdapter(FamilyAdapter):
@@ -40,17 +40,3 @@ class InternVLAdapter(FamilyAdapter):
         patches of one tile, and every tile (crops and thumbnail) has a CLS of its own, so no single [CLS]
         attention row ranks one image's visual tokens."""
         return None
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """A 640x427 photo as the InternVL processor tiles it (448 px tiles, ``max_patches=12``): a 3x2 crop
-        grid plus the thumbnail, 7 tiles of ``image_seq_length`` tokens (1792 at 256 per tile)."""
-        tiles = 7
-        height, width = config.vision_config.image_size
-        image_id = config.image_token_id
-        n_visual = tiles * config.image_seq_length
-        ids = prompt_layout(image_id, n_visual, text_tokens, image_id - 2, batch, generator)
-        start = ids.new_full((batch, 1), image_id - 2)  # stand-ins for <img> and </img>
-        end = ids.new_full((batch, 1), image_id - 1)
-        ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
-        pixels = torch.randn(batch * tiles, 3, height, width, generator=generator)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}

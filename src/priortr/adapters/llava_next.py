@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 from transformers.image_processing_utils import select_best_resolution
 
-from priortr.adapters.base import FamilyAdapter, prompt_layout
+from priortr.adapters.base import FamilyAdapter
 
 
 class LlavaNextAdapter(FamilyAdapter):
@@ -61,34 +60,6 @@ class LlavaNextAdapter(FamilyAdapter):
         size = config.vision_config.image_size
         best_height, best_width = select_best_resolution((height, width), config.image_grid_pinpoints)
         return 1 + (best_height // size) * (best_width // size)
-
-    def dummy_image_size(self, config) -> tuple[int, int]:
-        """The largest pinpoint of at most 2x2 tiles (squares first): 672 x 672 for LLaVA-NeXT, its
-        largest input (576 + 48 x 48 + 48 = 2928 tokens), 768 x 768 for OneVision (3699 tokens)."""
-        size = config.vision_config.image_size
-
-        def fits(pinpoint: list[int]) -> bool:
-            return (pinpoint[0] // size) * (pinpoint[1] // size) <= 4
-
-        height, width = max(
-            filter(fits, config.image_grid_pinpoints), key=lambda p: (p[0] * p[1], -abs(p[0] - p[1]))
-        )
-        return height, width
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """One ``dummy_image_size`` image per row, with its real AnyRes token count and crop stack."""
-        height, width = self.dummy_image_size(config)
-        n_visual = self.anyres_tokens(config, height, width)
-        limit = min(self.visual_token_ids(config).values())
-        ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
-        size = config.vision_config.image_size
-        crops = self.anyres_crops(config, height, width)
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch, crops, 3, size, size, generator=generator),
-            "image_sizes": torch.tensor([[height, width]] * batch),
-        }
 
 
 class LlavaOnevisionAdapter(LlavaNextAdapter):

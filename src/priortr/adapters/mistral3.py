@@ -16,7 +16,7 @@ are plain ``[B, S]`` text positions at prefill, decode and later turns (the base
 
 import torch
 
-from priortr.adapters.base import FamilyAdapter, VisualItem, prompt_layout, visual_runs
+from priortr.adapters.base import FamilyAdapter, VisualItem, visual_runs
 
 
 class Mistral3Adapter(FamilyAdapter):
@@ -59,37 +59,3 @@ class Mistral3Adapter(FamilyAdapter):
                 "follow the Pixtral layout ([IMG_END] after each image)"
             )
         return markers.pop() if markers else None
-
-    def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
-        """(rows, cols) of row ``row``'s image, ``image_sizes[row]`` over the pixels of one visual token
-        (one image per prompt, so the row's image); tokens come in raster order."""
-        sizes = inputs.get("image_sizes")
-        if sizes is None:
-            raise ValueError("the inputs hold no image_sizes, so the image's token grid is unknown")
-        pixels = config.vision_config.patch_size * config.spatial_merge_size
-        height, width = (int(v) for v in sizes[row])
-        return height // pixels, width // pixels
-
-    def image_view(self, image, processor):
-        """The whole image: the Pixtral processor resizes it (keeping the aspect ratio, to a multiple of the
-        patch size) and crops nothing."""
-        return image
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """A square image of up to 24 x 24 visual tokens (576, LLaVA-1.5's budget scale: 672 px for
-        Mistral Small 3.1's 14 px patches), as large as the tower's ``image_size`` allows, with its row
-        breaks and end marker (stand-in ids just below ``[IMG]``)."""
-        vision = config.vision_config
-        pixels = vision.patch_size * config.spatial_merge_size
-        side = min(24, vision.image_size // pixels)
-        image_id = config.image_token_id
-        ids = prompt_layout(image_id, side * side, text_tokens, image_id - 2, batch, generator)
-        rows = [token for _ in range(side) for token in [*[image_id] * side, image_id - 1]]
-        image = torch.tensor([*rows[:-1], image_id - 2])
-        ids = torch.cat([ids[:, :4], image.expand(batch, -1), ids[:, 4 + side * side :]], dim=1)
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch, 3, side * pixels, side * pixels, generator=generator),
-            "image_sizes": torch.tensor([[side * pixels] * 2] * batch),
-        }

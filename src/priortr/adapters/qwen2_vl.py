@@ -5,7 +5,7 @@
 import torch
 from torch import nn
 
-from priortr.adapters.base import FamilyAdapter, prompt_layout
+from priortr.adapters.base import FamilyAdapter
 
 
 class QwenVLAdapter(FamilyAdapter):
@@ -38,39 +38,3 @@ class QwenVLAdapter(FamilyAdapter):
     def vision_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         visual = self.multimodal_model(model).visual  # patch embedding, blocks and merger
         return visual, visual
-
-    def dummy_inputs(self, config, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
-        """A 672x672 image: a 48x48 patch grid merged 2x2 into 576 tokens, as LLaVA-1.5's budget scale."""
-        vision = config.vision_config
-        grid = (1, 48, 48)
-        n_visual = grid[1] * grid[2] // vision.spatial_merge_size**2
-        limit = config.vision_start_token_id
-        ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
-        start = ids.new_full((batch, 1), config.vision_start_token_id)
-        end = ids.new_full((batch, 1), config.vision_end_token_id)
-        ids = torch.cat([ids[:, :3], start, ids[:, 4 : 4 + n_visual], end, ids[:, 5 + n_visual :]], dim=1)
-        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "pixel_values": torch.randn(batch * grid[1] * grid[2], patch, generator=generator),
-            "image_grid_thw": torch.tensor([grid] * batch),
-            "mm_token_type_ids": (ids == config.image_token_id).long(),
-        }
-
-    def visual_grid(self, config, inputs: dict, row: int) -> tuple[int, int]:
-        """``(h // merge, w // merge)`` from ``inputs["image_grid_thw"][row]`` (one image per prompt, so the
-        row's image); merged tokens come in raster order, as their M-RoPE height/width ids say."""
-        grid = inputs.get("image_grid_thw")
-        if grid is None:
-            raise ValueError("the inputs hold no image_grid_thw, so the image's token grid is unknown")
-        frames, height, width = (int(v) for v in grid[row])
-        if frames != 1:
-            raise ValueError(f"an image has one temporal patch; got a {frames}-frame grid")
-        merge = config.vision_config.spatial_merge_size
-        return height // merge, width // merge
-
-    def image_view(self, image, processor):
-        """The whole image: ``smart_resize`` keeps the aspect ratio (to a multiple of 28 px) and nothing is
-        cropped, so the grid spans the whole image."""
-        return image

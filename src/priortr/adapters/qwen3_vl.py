@@ -15,7 +15,8 @@
 * DeepStack: the text model adds the vision tower's intermediate features to the visual positions of the
   outputs of its first decoder layers, one layer per feature (``Qwen3VLTextModel._deepstack_process``).
 
-``dummy_inputs`` (inherited) gives a 48x48 patch grid, 576 tokens: a 768x768 image at 16 px patches.
+The benchmark prompt (``priortr.tools.families.dummy_inputs``, Qwen2-VL's) is a 48x48 patch grid, 576
+tokens: a 768x768 image at 16 px patches.
 """
 
 import torch

@@ -15,8 +15,8 @@ from priortr.adapters.llava import LlavaAdapter
 
 
 class VideoLlavaAdapter(LlavaAdapter):
-    """LLaVA-1.5's image handling (``vision_probe``, ``visual_grid``, ``image_view``, ``dummy_inputs``: one
-    image per row, since a benchmark counts ``<image>`` tokens) on Video-LLaVA's ``image_tower``."""
+    """LLaVA-1.5's image handling (``vision_probe``; in the tools, its token grid and benchmark prompt:
+    one image per row, since a benchmark counts ``<image>`` tokens) on Video-LLaVA's ``image_tower``."""
 
     name = "video-llava"
     model_types = ("video_llava",)

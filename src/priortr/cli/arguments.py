@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from priortr.config_file import parse_budget
-from priortr.loading import DTYPES
+from priortr.tools.config_file import parse_budget
+from priortr.tools.loading import DTYPES
 
 TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
 CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"
@@ -134,7 +134,7 @@ def config_setting(
     """The ``--config`` file's ``keys`` (defaults filled in), for commands that pass only those to
     ``priortr.apply``; a file that sets any other keyword is refused rather than half-applied. The
     values themselves are checked by ``priortr.apply`` when the command prunes."""
-    from priortr.config_file import apply_defaults, read_config
+    from priortr.tools.config_file import apply_defaults, read_config
 
     stored = read_config(args.config)
     defaults = apply_defaults()

@@ -11,7 +11,7 @@ from typing import Any
 
 from priortr.cli import arguments, checks
 from priortr.cli.arguments import nonnegative_int, positive_int
-from priortr.loading import ATTENTION
+from priortr.tools.loading import ATTENTION
 
 
 def add_parser(commands: Any) -> None:
@@ -61,7 +61,7 @@ def check(args: argparse.Namespace) -> None:
     import torch
 
     import priortr
-    from priortr import bench
+    from priortr.tools import bench
 
     if args.config:
         setting = arguments.config_setting(args, "bench")
@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import priortr
-    from priortr import bench
-    from priortr.journal import Journal, finished_so_far, write_whole
-    from priortr.loading import torch_dtype
+    from priortr.tools import bench
+    from priortr.tools.journal import Journal, finished_so_far, write_whole
+    from priortr.tools.loading import torch_dtype
 
     out = Path(args.out)
     settings = {

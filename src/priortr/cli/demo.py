@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from priortr import loading
 from priortr.cli import arguments, checks
 from priortr.cli.arguments import nonnegative_int, positive_int
+from priortr.tools import loading
 
 
 def add_parser(commands: Any) -> None:

@@ -36,7 +36,7 @@ def add_parser(commands: Any) -> None:
 
 def check(args: argparse.Namespace) -> None:
     if args.config:
-        from priortr.flops import METHODS
+        from priortr.tools.flops import METHODS
 
         setting = arguments.config_setting(args, "flops")
         if setting["options"]:
@@ -53,7 +53,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Analytic FLOPs (the paper's protocol, Appendix "Efficiency Analysis") of vanilla and each method."""
-    from priortr import flops
+    from priortr.tools import flops
 
     report = flops.flops_report(
         args.model,

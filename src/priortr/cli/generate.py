@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from priortr.cli import arguments, checks
 
 if TYPE_CHECKING:
-    from torch import nn
+    pass
 
 log = logging.getLogger("priortr.cli")
 
@@ -46,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import priortr
-    from priortr import loading
-    from priortr.prompts import chat_inputs
+    from priortr.tools import loading, timing
+    from priortr.tools.prompts import chat_inputs
 
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
     processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
@@ -58,11 +57,8 @@ def run(args: argparse.Namespace) -> int:
         else priortr.apply(model, **arguments.pruning_arguments(args))
     )
     with pruning as handle, torch.inference_mode():
-        timer = PrefillTimer(model)
-        try:
+        with timing.forward_calls_ms(model) as calls:
             out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-        finally:
-            timer.remove()
         last = handle.last if handle is not None else None
     n_prompt = inputs["input_ids"].shape[1]
     print(processor.decode(out[0, n_prompt:], skip_special_tokens=True).strip())
@@ -72,35 +68,5 @@ def run(args: argparse.Namespace) -> int:
         print("visual tokens kept: all (the prompt had nothing to prune)")
     else:
         print(f"visual tokens kept: {int((last.kept[0] >= 0).sum())} / {int(last.n_visual[0])}")
-    print(f"prefill: {timer.ms:.1f} ms")
+    print(f"prefill: {calls[0]:.1f} ms")
     return 0
-
-
-class PrefillTimer:
-    """Wall time of the first forward call of ``model``, i.e. the prefill inside ``generate``.
-
-    Hooks on the top-level model see the whole prefill (vision tower, pruned decoder and LM head);
-    on CUDA the clock is read after a synchronise so that queued kernels are counted.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        import torch
-
-        self.ms: float | None = None
-        self._start: float | None = None
-        self._sync = (lambda: torch.cuda.synchronize()) if model.device.type == "cuda" else (lambda: None)
-        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-
-    def _pre(self, *_: Any) -> None:
-        if self._start is None:
-            self._sync()
-            self._start = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        if self.ms is None:
-            self._sync()
-            self.ms = (time.perf_counter() - self._start) * 1e3
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

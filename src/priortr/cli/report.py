@@ -26,7 +26,7 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """The paper's table from lmms-eval result folders: a row per (model, budget, method), a column per
     benchmark in its own metric, and Avg %: the mean of score / baseline (unpruned) score, x 100."""
-    from priortr import report
+    from priortr.tools import report
 
     table = report.build_table(report.load_runs(args.results), baseline=args.baseline)
     print(report.to_markdown(table), end="")

@@ -66,8 +66,8 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Draw the prior Q, posterior P, score S and kept tokens over the image, one row per layer x budget
     (the paper's qualitative figure)."""
-    from priortr import loading, viz
     from priortr.adapters import adapter_for
+    from priortr.tools import families, loading, viz
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     results = viz.attention_maps(
         model, processor, image, args.prompt, layers=args.layers, budgets=args.budgets, method=args.method
     )
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     title = f'{Path(args.model).name or args.model}, {args.method}: "{args.prompt}"'
     print(viz.render(results, view, args.out, title=title))
     for maps in results:

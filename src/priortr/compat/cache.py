@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 
 from priortr.compat.calls import CACHE_NAMES
 from priortr.compat.release import refuse
-from priortr.surgery import gather_sequence
+from priortr.engine.sequence import gather_sequence
 
 CLAIMED = "_priortr_claimed"
 SPOILED = "_priortr_spoiled"
@@ -194,13 +194,6 @@ def host_length(cache: Any) -> int | None:
     """Tokens in the cache when the host knows them without reading the device; None for static caches."""
     tokens = cache.get_seq_length()
     return tokens if isinstance(tokens, int) else None
-
-
-def is_static(cache: Any) -> bool:
-    """Whether the cache preallocates its slots (keys span ``max_cache_len`` in every layer call)."""
-    if cache is None:
-        return False
-    return any(operations.static for operations in map(_operations, layers(cache)) if operations)
 
 
 def key_length(cache: Any, layer: int, tokens: int) -> int:

@@ -13,30 +13,10 @@ in the order a prefill meets them:
 * ``cut``: hidden states, sequence map and KV cache narrowed to the kept tokens; ``sequence``: the map
   between prompt positions and current columns.
 * ``ledger``: what later calls (decode steps, chat turns) need to continue a pruned cache.
-* ``report``: ``handle.last`` (``PruneResult``), assembled when read.
+* ``result``: ``handle.last`` (``PruneResult``), assembled when read.
+
+Its private parts sit beside them: ``attention`` (attention rows and RoPE recomputed from a layer's
+projections), ``pools`` (the visual tokens ranked together), ``host`` (host/device copies that do not
+stall the device). This package imports none of its modules, so that the adapters and
+``priortr.compat`` can import those parts without importing the engine's wiring.
 """
-
-from priortr.engine.config import (
-    BEFORE_LLM,
-    DEFAULT_LAYER,
-    HEAD_AGGREGATIONS,
-    POSTERIOR_ROWS,
-    PruningConfig,
-    PruningSkippedWarning,
-)
-from priortr.engine.evidence import VISION_NEEDS
-from priortr.engine.hooks import PruningEngine
-from priortr.engine.report import PruneResult, StageResult
-
-__all__ = [
-    "BEFORE_LLM",
-    "DEFAULT_LAYER",
-    "HEAD_AGGREGATIONS",
-    "POSTERIOR_ROWS",
-    "VISION_NEEDS",
-    "PruneResult",
-    "PruningConfig",
-    "PruningEngine",
-    "PruningSkippedWarning",
-    "StageResult",
-]

@@ -1,17 +1,29 @@
-"""What to prune and how (``PruningConfig``), validated by ``priortr.apply`` before any forward pass."""
+"""What to prune and how (``PruningConfig``), checked when it is made (``PruningConfig.of``), before any
+forward pass, so that every front end (``priortr.apply``, the vLLM plug-in) refuses a bad setting with the
+same message."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from priortr.methods import MethodInfo
+from priortr.engine.pools import MULTI_IMAGE, split_count
+from priortr.methods import MethodInfo, get_method
 from priortr.methods.registry import DEFAULT_LAYER as DEFAULT_LAYER
-from priortr.pools import split_count
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import HEAD_AGGREGATIONS as HEAD_AGGREGATIONS
+from priortr.methods.scoring import resolve_budget
+
+if TYPE_CHECKING:
+    import torch
+
+    from priortr.adapters import FamilyAdapter
+
+DEFAULT_BUDGET = 64
+VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
+"""Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
 
 POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
-HEAD_AGGREGATIONS = ("mean", "max")
 BEFORE_LLM = -1
 """The stage layer of methods that prune the language model's input embeddings (``where='vision'``)."""
 
@@ -22,7 +34,7 @@ class PruningSkippedWarning(UserWarning):
 
 @dataclass(frozen=True)
 class PruningConfig:
-    """What to prune and how; validated by ``priortr.apply``.
+    """What to prune and how; made and checked by ``PruningConfig.of``.
 
     ``layer`` is the 0-indexed decoder layer whose attention is scored by a one-layer method; layers
     ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1").
@@ -32,9 +44,9 @@ class PruningConfig:
     (default), the separator too (as the authors' code does), or the last prompt token only.
     ``separator_offset`` moves the prior's slot that many tokens after the first post-image token
     (the paper's null-token ablation). ``multi_image`` says how the items of a row share the budget
-    (``priortr.pools``). ``strict`` raises instead of warning when a prompt has nothing to prune, and
+    (``priortr.engine.pools``). ``strict`` raises instead of warning when a prompt has nothing to prune, and
     turns on the checks that read tensor values (they block the host on a GPU, so they are off by
-    default: ``priortr.checks``).
+    default: ``priortr.methods.value_checks``).
     """
 
     method: MethodInfo
@@ -48,6 +60,58 @@ class PruningConfig:
     multi_image: str = "per_image"
     strict: bool = False
     seed: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        method: str = "priortr",
+        budget: int | float | None = None,
+        layer: int | None = None,
+        *,
+        n_layers: int,
+        stages: Sequence[tuple[int, int | float]] | None = None,
+        options: Mapping[str, Any] | None = None,
+        **settings: Any,
+    ) -> PruningConfig:
+        """The checked configuration of ``priortr.apply``'s keywords for a language model of ``n_layers``
+        decoder layers; ``settings`` are the other fields (heads, posterior_rows, separator_offset,
+        multi_image, strict, seed), each checked against what it accepts."""
+        info = get_method(method)
+        if stages is not None and (budget is not None or layer is not None):
+            given = ", ".join(
+                f"{name}={value!r}"
+                for name, value in (("budget", budget), ("layer", layer))
+                if value is not None
+            )
+            raise ValueError(
+                f"stages= sets the layer and budget of every stage, so it conflicts with {given}; "
+                "pass either stages or budget/layer"
+            )
+        budget = DEFAULT_BUDGET if budget is None else budget
+        resolve_budget(budget, n_visual=1 << 30)  # validates type and range before any forward pass
+        for name, value in settings.items():
+            _check_setting(name, value)
+        return cls(
+            method=info,
+            budget=budget,
+            layer=_check_layer(info, layer, n_layers),
+            stages=_check_stages(info, stages, n_layers),
+            options=_check_options(info, options),
+            **settings,
+        )
+
+    def check_fits(self, adapter: FamilyAdapter, model: torch.nn.Module, n_layers: int) -> None:
+        """Refuse a configuration ``model`` cannot run: evidence from a vision tower without a [CLS] token,
+        stages while the model still adds visual features to the hidden states (DeepStack), or attention
+        read at a layer without softmax attention."""
+        if self.method.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
+            raise ValueError(
+                f"{self.method.name} ranks by the vision tower's [CLS] attention, and this {adapter.name} "
+                "model's vision tower has no [CLS] token; use a method that needs none (divprune, dart, "
+                "or an in-LLM method)"
+            )
+        _check_injection(self, adapter.injected_layers(model), n_layers)
+        _check_scored_layers(self, adapter.attention_layers(model), n_layers)
 
     def plan(
         self, n_visual: int, n_layers: int, part: tuple[int, int] | None = None
@@ -69,3 +133,118 @@ class PruningConfig:
         if self.method.schedule is not None:
             return self.method.schedule(kept, n_visual, self.layer, n_layers)
         return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
+
+
+_CHOICES = {"heads": HEAD_AGGREGATIONS, "posterior_rows": POSTERIOR_ROWS, "multi_image": MULTI_IMAGE}
+
+
+def _check_setting(name: str, value: Any) -> None:
+    """Refuse a value that setting ``name`` does not accept."""
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"{name} must be one of {', '.join(_CHOICES[name])}; got {value!r}")
+    if name == "separator_offset" and (not is_int(value) or value < 0):
+        raise ValueError(f"separator_offset must be an int >= 0; got {value!r}")
+    if name == "strict" and not isinstance(value, bool):
+        raise ValueError(f"strict must be True or False; got {value!r}")
+    if name == "seed" and not is_int(value):
+        raise ValueError(f"seed must be an int; got {value!r}")
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
+    if info.where != "layer":
+        if layer is not None:
+            where = "before the language model" if info.where == "vision" else "on its own schedule of layers"
+            raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
+        return DEFAULT_LAYER
+    if layer is None:
+        layer = info.default_layer
+    if not is_int(layer) or not 0 <= layer <= n_layers - 2:
+        raise ValueError(
+            f"layer must be an int in [0, {n_layers - 2}] for this {n_layers}-layer model "
+            f"(the scored layer must have a layer after it); got {layer!r}"
+        )
+    return layer
+
+
+def _check_stages(
+    info: MethodInfo, stages: Sequence[tuple[int, int | float]] | None, n_layers: int
+) -> tuple[tuple[int, int | float], ...] | None:
+    if stages is None:
+        return None
+    if info.where == "vision":
+        raise ValueError(f"{info.name} prunes before the language model; it takes no stages")
+    given = stages
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence):
+        stages = ()
+    stages = tuple(tuple(stage) if isinstance(stage, Sequence) else (stage,) for stage in stages)
+    if not stages or any(len(stage) != 2 for stage in stages):
+        raise ValueError(f"stages must be a non-empty list of (layer, budget) pairs; got {given!r}")
+    layers = [stage[0] for stage in stages]
+    if not all(is_int(layer) and 0 <= layer <= n_layers - 2 for layer in layers) or layers != sorted(
+        set(layers)
+    ):
+        raise ValueError(
+            f"stage layers must be strictly increasing ints in [0, {n_layers - 2}]; got {layers}"
+        )
+    counts = [resolve_budget(budget, n_visual=1 << 30) for _, budget in stages]  # validates each budget
+    if counts != sorted(counts, reverse=True) or len({type(budget) for _, budget in stages}) != 1:
+        raise ValueError(
+            "stage budgets must all be counts or all ratios, and must not increase; "
+            f"got {[budget for _, budget in stages]}"
+        )
+    return stages
+
+
+def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"options must be a dict of the method's knobs by name; got {options!r}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(info.knobs))
+    if unknown:
+        known = ", ".join(f"{name}={default!r}" for name, default in info.knobs.items()) or "none"
+        raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
+    return options
+
+
+def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:
+    """Refuse stages that would prune while the model still adds visual features to the hidden states
+    (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers)."""
+    if injected == 0:
+        return
+    first = min(layer for layer, _ in config.plan(1 << 20, n_layers))
+    if first < injected - 1:
+        where = "before the language model" if first == BEFORE_LLM else f"after layer {first}"
+        raise ValueError(
+            f"this model adds visual features to the outputs of decoder layers 0..{injected - 1} "
+            "(DeepStack), "
+            f"so {config.method.name} cannot prune {where}; score layer {injected - 1} or later"
+        )
+
+
+def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: int) -> None:
+    """Refuse stages whose evidence needs attention rows at a layer without softmax attention (Qwen3.5's
+    linear-attention layers have a recurrent state, no attention matrix): the scored layer itself
+    (``attention``, ``keys``) or the one after it (``next_attention``)."""
+    offset = 1 if "next_attention" in config.method.needs else 0
+    if not config.method.needs & {"attention", "keys", "next_attention"} or len(attention) == n_layers:
+        return
+    for layer, _ in config.plan(1 << 20, n_layers):
+        if layer == BEFORE_LLM or layer + offset in attention:
+            continue
+        allowed = [index - offset for index in attention if 0 <= index - offset <= n_layers - 2]
+        nearest = min(allowed, key=lambda index: (abs(index - layer), index), default=None)
+        which = "the layer after the scored one" if offset else "the scored layer"
+        raise ValueError(
+            f"{config.method.name} reads attention at {which}, and decoder layer {layer + offset} of this "
+            f"model has no softmax attention (only layers {attention} do); "
+            + (
+                f"score layer {nearest} instead"
+                if nearest is not None
+                else "no layer of this model can be scored"
+            )
+        )

@@ -17,11 +17,10 @@ import torch
 
 from priortr import compat
 from priortr.engine.evidence import Group
-from priortr.engine.sequence import SequenceMap
-from priortr.host import to_device
-from priortr.pools import Pool
-from priortr.selection import Selection
-from priortr.surgery import gather_sequence
+from priortr.engine.host import to_device
+from priortr.engine.pools import Pool
+from priortr.engine.sequence import SequenceMap, gather_sequence
+from priortr.methods.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -34,6 +33,11 @@ class Decision:
     hidden: torch.Tensor
     features: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def changes(self) -> bool:
+        """Whether the decision drops or merges any of the group's tokens."""
+        return self.selection.kept.shape[1] < self.group.size or self.selection.merge is not None
 
 
 def cut(

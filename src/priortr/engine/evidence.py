@@ -1,20 +1,26 @@
 """Evidence gathering: what a selector sees at one stage (``StageInputs``), from the model's own tensors.
 
-Attention at a scored layer is recomputed for the few rows PriorTR needs (paper Appendix A.3): the
-layer's query and key projections are captured as the layer runs, RoPE is applied as the layer applies
-it, and only the text rows from the earliest separator on are pushed through a softmax with the causal
-and padding masks applied explicitly (``priortr.probe``). Out of those rows each pool takes its prior Q
-(its item's separator row), the rows averaged into its posterior P and the last prompt token's row.
-Methods ranked by the vision tower read its [CLS] attention, keys and features, captured when the tower
-ran (``VISION_NEEDS``).
-Methods that weigh the prompt's text against the image at the input (SparseVLM's raters) read the
-hidden states that entered decoder layer 0, captured as it ran.
+``gather(needs, sources, group)`` assembles a group's ``StageInputs`` from small gatherers, one per kind
+of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its entry there.
+
+* attention (``attention``, ``next_attention``, with ``text_rows``): attention at a scored layer is
+  recomputed for the few rows PriorTR needs (paper Appendix A.3) from the layer's query and key
+  projections, captured as the layer ran (``ScoredLayer``), RoPE applied as the layer applies it, and
+  only the text rows from the earliest separator on pushed through a softmax with the causal and padding
+  masks applied explicitly (``priortr.engine.probe``). Out of those rows each pool takes its prior Q (its
+  item's separator row), the rows averaged into its posterior P and the last prompt token's row.
+* token features (``keys``, ``final_norm``): the scored layer's keys and its output through the final norm.
+* vision evidence (``VISION_NEEDS``): the vision tower's [CLS] attention, keys and features, captured when
+  the tower ran.
+* input embeddings (``input_embeddings``): the hidden states that entered decoder layer 0 (SparseVLM's
+  raters weigh the prompt's text against the image there).
 
 Pools with the same size and budget at a stage form one ``Group``: one selector call ranks them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,17 +28,59 @@ import torch
 
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.checks import value_checks
 from priortr.compat.layers import Window
-from priortr.engine.config import PruningConfig
+from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
+from priortr.engine.config import VISION_NEEDS, PruningConfig
+from priortr.engine.host import to_device
 from priortr.engine.plan import PoolRows, PrefillPlan
+from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
-from priortr.host import to_device
 from priortr.methods import MethodInfo
-from priortr.pools import Pool
-from priortr.probe import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
-from priortr.scoring import aggregate_heads, build_evidence
-from priortr.selection import StageInputs
+from priortr.methods.scoring import aggregate_heads, build_evidence
+from priortr.methods.selection import StageInputs
+from priortr.methods.value_checks import value_checks
+
+
+@dataclass
+class ScoredLayer:
+    """What decoder layer ``index`` hands the stage that scores it (the stage runs before layer
+    ``index + 1``): its attention module and RoPE (cos, sin) [B or 1, S', d], taken as the layer starts,
+    and the outputs of its query and key projections [B, S', H * d], kept as they run (methods that read
+    attention or keys only)."""
+
+    index: int
+    attention: torch.nn.Module
+    rope: tuple[torch.Tensor, ...]
+    query_out: torch.Tensor | None = None
+    key_out: torch.Tensor | None = None
+
+
+@dataclass
+class Sources:
+    """Where one stage reads its evidence, for every group it ranks.
+
+    ``hidden`` [B, S', D] enters the layer after the scored one (``next_layer``, whose prompt RoPE is
+    ``rope``); ``window`` and ``next_window`` are the local windows of those two layers. ``embeddings``
+    [B, S, D] entered decoder layer 0, when the method reads them (``input_positions``: every pool's
+    positions before any stage). ``attention`` [B, H, R, S'] are the recomputed text rows: computed by
+    the first group that needs them, or passed in by a caller that computed them itself (vLLM).
+    """
+
+    plan: PrefillPlan
+    sequence: SequenceMap
+    config: PruningConfig
+    hidden: torch.Tensor
+    adapter: FamilyAdapter | None = None
+    scored: ScoredLayer | None = None
+    next_layer: torch.nn.Module | None = None
+    rope: tuple[torch.Tensor, ...] | None = None
+    window: Window | None = None
+    next_window: Window | None = None
+    vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None = None
+    final_norm: torch.nn.Module | None = None
+    embeddings: torch.Tensor | None = None
+    input_positions: list[torch.Tensor] | None = None
+    attention: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,28 +142,106 @@ def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int, by_input_size: 
     return out
 
 
-def stage_inputs(
-    group: Group,
-    hidden: torch.Tensor,
-    attention: torch.Tensor | None,
-    plan: PrefillPlan,
-    config: PruningConfig,
-    vision: dict[str, torch.Tensor] | None,
-    tokens: dict[str, torch.Tensor] | None = None,
-    embeddings: dict[str, torch.Tensor] | None = None,
-) -> StageInputs:
-    """Everything the method asks for about ``group``'s tokens: hidden states [G, n, D], attention
-    evidence (``attention`` [B, H, R, S'] from ``attention_at_layer``), the vision tower's [CLS] row,
-    the per-token features of ``token_evidence``, the input embeddings (``input_embeddings``)."""
-    visual_hidden = hidden[group.rows[:, None], group.columns]  # [G, n, D]
-    fields: dict[str, Any] = {**(tokens or {}), **(embeddings or {})}
-    if attention is not None:
-        fields.update(group_attention(attention, group, [plan.pool_rows[i] for i in group.indices], config))
-    if vision is not None:
-        fields.update(vision)
-    if embeddings is not None:
-        fields.update(embeddings)
-    return StageInputs(budget=group.budget, hidden=visual_hidden, seed=config.seed, **fields)
+Gatherer = Callable[[Sources, Group], dict[str, Any]]
+"""A function of one kind of evidence: the ``StageInputs`` fields it gives ``group``."""
+
+
+def gather(needs: frozenset[str], sources: Sources, group: Group) -> StageInputs:
+    """The ``StageInputs`` of ``group``: its visual tokens' hidden states [G, n, D], its budget, and
+    what each gatherer whose needs meet ``needs`` gives."""
+    visual_hidden = sources.hidden[group.rows[:, None], group.columns]  # [G, n, D]
+    fields: dict[str, Any] = {}
+    for wanted, gatherer in GATHERERS.items():
+        if needs & wanted:
+            fields.update(gatherer(sources, group))
+    return StageInputs(budget=group.budget, hidden=visual_hidden, seed=sources.config.seed, **fields)
+
+
+def attention_fields(sources: Sources, group: Group) -> dict[str, Any]:
+    """Q, P and the last row of the group's pools (``group_attention``), from the stage's recomputed
+    text rows: at the scored layer (``attention``) or the layer after it (``next_attention``)."""
+    if sources.attention is None:
+        if "attention" in sources.config.method.needs:
+            sources.attention = attention_at_layer(sources)
+        else:
+            sources.attention = next_layer_attention(sources)
+    pool_rows = [sources.plan.pool_rows[i] for i in group.indices]
+    return group_attention(sources.attention, group, pool_rows, sources.config)
+
+
+def token_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
+    """Per-token features of the group's visual tokens and of the text rows (``plan.rows``) at the
+    scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
+    and its output through the language model's final norm (``final_norm``), as DART reads them
+    (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
+    ``self.norm(layer_outputs[0])``). Keys carry the RoPE phases and prompt positions count from each
+    row's first real token, so a left-padded row gives what it gives alone."""
+    plan, sequence, hidden = sources.plan, sources.sequence, sources.hidden
+    needs = sources.config.method.needs
+    device = hidden.device
+    rows = group.rows.to(device)
+    columns = group.columns.to(device)
+    text_columns = sequence.columns_of_rows(plan.rows).to(device).index_select(0, rows)  # [G, R]
+    fields: dict[str, torch.Tensor] = {"text_after": _text_after(plan, group, device)}
+    if "keys" in needs:
+        adapter, scored = sources.adapter, sources.scored
+        start = plan.valid.int().argmax(dim=1)[:, None]  # [B, 1] each row's first real token
+        module, rope = scored.attention, scored.rope
+        _, keys = adapter.queries_and_keys(module, scored.query_out, scored.key_out)
+        first = sequence.columns_of_rows(start)  # [B, 1]
+        keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
+        # RoPE phases as if each row's first real token sat at position 0 (the authors' batch of one;
+        # generate() numbers left-padded rows so already): rotate back by that token's own phase.
+        keys = adapter.rotate(module, keys, adapter.inverse_rope(adapter.gather_rope(rope, first)))
+        keys = keys.transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
+        fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
+        fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
+        start = start.index_select(0, rows)  # [G, 1]
+        fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
+        fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
+    if "final_norm" in needs:
+        fields["normed"] = sources.final_norm(hidden[rows[:, None], columns])  # [G, n, D]
+        fields["text_normed"] = sources.final_norm(hidden[rows[:, None], text_columns])  # [G, R, D]
+    return fields
+
+
+def vision_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
+    """What the tower showed of each of the group's tokens when it ran (``vision_evidence``)."""
+    probe, capture = sources.vision
+    return vision_evidence(capture, probe, sources.plan, group, sources.config.method)
+
+
+def embedding_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
+    """The group's text rows and input visual tokens as they entered decoder layer 0 (``embeddings``
+    [B, S, D], captured there); ``input_positions`` are every pool's positions before any stage."""
+    embeddings, plan = sources.embeddings, sources.plan
+    if embeddings is None:
+        raise ValueError(
+            "the input embeddings were not captured: the language model's first decoder layer did not run "
+            "in this prefill"
+        )
+    rows = group.rows.to(embeddings.device)  # [G]
+    text = plan.rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
+    visual = _stack([sources.input_positions[i] for i in group.indices]).to(embeddings.device)  # [G, N0]
+    return {
+        "text_embeddings": embeddings[rows[:, None], text],  # [G, R, D]
+        "text_after": _text_after(plan, group, embeddings.device),
+        "visual_embeddings": embeddings[rows[:, None], visual],  # [G, N0, D]
+    }
+
+
+GATHERERS: dict[frozenset[str], Gatherer] = {
+    frozenset({"attention", "next_attention"}): attention_fields,
+    frozenset({"keys", "final_norm"}): token_fields,
+    VISION_NEEDS: vision_fields,
+    frozenset({"input_embeddings"}): embedding_fields,
+}
+"""Each kind of evidence: the needs that ask for it, and its gatherer."""
+
+
+def _text_after(plan: PrefillPlan, group: Group, device: torch.device) -> torch.Tensor:
+    """[G, R] bool: the text rows from each pool's last separator on (the text after its items)."""
+    return to_device(_stack([plan.pool_rows[i].after for i in group.indices]), device)
 
 
 def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
@@ -129,45 +255,36 @@ def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, windo
     return RowSpec(rows, sequence.key_valid(), window.visible, positions)
 
 
-def attention_at_layer(
-    plan: PrefillPlan,
-    sequence: SequenceMap,
-    captured: dict[str, Any],
-    adapter: FamilyAdapter,
-    window: Window | None = None,
-) -> torch.Tensor:
+def attention_at_layer(sources: Sources) -> torch.Tensor:
     """Attention [B, H, R, S'] of every batch row's recomputed text rows (``plan.rows``) over the current
-    sequence at the scored layer, from its captured projections and RoPE, within its local ``window``."""
-    module = captured["attention"]
-    queries, keys = adapter.queries_and_keys(module, captured["q"], captured["k"])
+    sequence at the scored layer, from its captured projections and RoPE, within its local window."""
+    plan, sequence, adapter, scored = sources.plan, sources.sequence, sources.adapter, sources.scored
+    module, rope = scored.attention, scored.rope
+    queries, keys = adapter.queries_and_keys(module, scored.query_out, scored.key_out)
     rows = sequence.columns_of_rows(plan.rows)  # [B, R]
-    rope = captured["rope"]
     picked = queries.gather(
         2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
     )
     picked = adapter.rotate(module, picked, adapter.gather_rope(rope, rows))  # [B, H, R, d]
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
-    return attention_rows(picked, keys, row_spec(plan, sequence, rows, window), adapter.scaling(module))
+    spec = row_spec(plan, sequence, rows, sources.window)
+    return attention_rows(picked, keys, spec, adapter.scaling(module))
 
 
-def next_layer_attention(
-    plan: PrefillPlan,
-    sequence: SequenceMap,
-    hidden: torch.Tensor,
-    layer: torch.nn.Module,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    adapter: FamilyAdapter,
-    window: Window | None = None,
-) -> torch.Tensor:
-    """Attention [B, H, R, S'] of the recomputed text rows as decoder layer ``layer`` would compute it on
+def next_layer_attention(sources: Sources) -> torch.Tensor:
+    """Attention [B, H, R, S'] of the recomputed text rows as the next decoder layer would compute it on
     its input ``hidden`` [B, S', D] (the scored layer's output), before it runs: its input norm, query
-    and key projections, the adapter's q/k norms, RoPE ``rope`` (cos, sin) [B or 1, S', d] and its local
-    ``window``.
+    and key projections, the adapter's q/k norms, its RoPE (cos, sin) [B or 1, S', d], gathered to the
+    current columns, and its local window.
 
     PyramidDrop ranks at a stage boundary with the first layer of the next stage (``rank_layer =
     layer_idx + 1`` in ``modeling_llama_pdrop.py``, Xing et al., CVPR 2025)."""
-    module = adapter.attention(layer)
-    normed = adapter.input_norm(layer)(hidden)  # [B, S', D]
+    plan, sequence, adapter, hidden = sources.plan, sources.sequence, sources.adapter, sources.hidden
+    rope = sources.rope
+    if sequence.positions is not None:
+        rope = adapter.gather_rope(rope, sequence.positions)
+    module = adapter.attention(sources.next_layer)
+    normed = adapter.input_norm(sources.next_layer)(hidden)  # [B, S', D]
     rows = sequence.columns_of_rows(plan.rows).to(hidden.device)  # [B, R]
     picked = normed.gather(1, rows[:, :, None].expand(-1, -1, normed.shape[-1]))  # [B, R, D]
     queries, keys = adapter.queries_and_keys(
@@ -175,50 +292,8 @@ def next_layer_attention(
     )
     queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
-    return attention_rows(queries, keys, row_spec(plan, sequence, rows, window), adapter.scaling(module))
-
-
-def token_evidence(
-    group: Group,
-    hidden: torch.Tensor,
-    plan: PrefillPlan,
-    sequence: SequenceMap,
-    captured: dict[str, Any],
-    adapter: FamilyAdapter,
-    final_norm: torch.nn.Module | None,
-    needs: frozenset[str],
-) -> dict[str, torch.Tensor]:
-    """Per-token features of the group's visual tokens and of the text rows (``plan.rows``) at the
-    scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
-    and its output through the language model's final norm (``final_norm``), as DART reads them
-    (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
-    ``self.norm(layer_outputs[0])``). Keys carry the RoPE phases and prompt positions count from each
-    row's first real token, so a left-padded row gives what it gives alone."""
-    device = hidden.device
-    rows = group.rows.to(device)
-    columns = group.columns.to(device)
-    text_columns = sequence.columns_of_rows(plan.rows).to(device).index_select(0, rows)  # [G, R]
-    after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R]
-    fields: dict[str, torch.Tensor] = {"text_after": to_device(after, device)}
-    if "keys" in needs:
-        start = plan.valid.int().argmax(dim=1)[:, None]  # [B, 1] each row's first real token
-        module, rope = captured["attention"], captured["rope"]
-        _, keys = adapter.queries_and_keys(module, captured["q"], captured["k"])
-        first = sequence.columns_of_rows(start)  # [B, 1]
-        keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
-        # RoPE phases as if each row's first real token sat at position 0 (the authors' batch of one;
-        # generate() numbers left-padded rows so already): rotate back by that token's own phase.
-        keys = adapter.rotate(module, keys, adapter.inverse_rope(adapter.gather_rope(rope, first)))
-        keys = keys.transpose(1, 2).flatten(2)  # [B, S', Hkv * d]
-        fields["keys"] = keys[rows[:, None], columns]  # [G, n, Hkv * d]
-        fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
-        start = start.index_select(0, rows)  # [G, 1]
-        fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
-        fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
-    if "final_norm" in needs:
-        fields["normed"] = final_norm(hidden[rows[:, None], columns])  # [G, n, D]
-        fields["text_normed"] = final_norm(hidden[rows[:, None], text_columns])  # [G, R, D]
-    return fields
+    spec = row_spec(plan, sequence, rows, sources.next_window)
+    return attention_rows(queries, keys, spec, adapter.scaling(module))
 
 
 def group_attention(
@@ -269,10 +344,6 @@ def per_item_prior(prior: torch.Tensor, item_of: torch.Tensor, n_items: int) -> 
             "an item's separator row puts no attention on its tokens; cannot normalise its prior"
         )
     return prior / mass[:, item_of] * share[item_of]
-
-
-VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
-"""Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
 
 
 def vision_evidence(
@@ -329,24 +400,3 @@ def vision_evidence(
     if "vision_keys" in out:
         out["vision_keys"] = out["vision_keys"].permute(0, 2, 1, 3)  # [G, H, n, d]
     return out
-
-
-def input_embeddings(
-    embeddings: torch.Tensor | None, input_positions: list[torch.Tensor], plan: PrefillPlan, group: Group
-) -> dict[str, torch.Tensor]:
-    """The group's text rows and input visual tokens as they entered decoder layer 0 (``embeddings``
-    [B, S, D], captured there); ``input_positions`` are every pool's positions before any stage."""
-    if embeddings is None:
-        raise ValueError(
-            "the input embeddings were not captured: the language model's first decoder layer did not run "
-            "in this prefill"
-        )
-    rows = group.rows.to(embeddings.device)  # [G]
-    text = plan.rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
-    visual = _stack([input_positions[i] for i in group.indices]).to(embeddings.device)  # [G, N0]
-    after = _stack([plan.pool_rows[i].after for i in group.indices])  # [G, R] host
-    return {
-        "text_embeddings": embeddings[rows[:, None], text],  # [G, R, D]
-        "text_after": to_device(after, embeddings.device),
-        "visual_embeddings": embeddings[rows[:, None], visual],  # [G, N0, D]
-    }

@@ -28,14 +28,13 @@ from torch.utils.hooks import RemovableHandle
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.engine.config import BEFORE_LLM, PruningConfig
+from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.continuation import Continuation, split_call
-from priortr.engine.evidence import VISION_NEEDS
+from priortr.engine.host import to_host
 from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
-from priortr.engine.report import PrefillRecord, PruneResult
-from priortr.host import to_host
+from priortr.engine.result import PrefillRecord, PruneResult
 
 
 class PruningEngine:
@@ -233,10 +232,10 @@ class PruningEngine:
                 attention = self.adapter.attention(self.layers[index])
                 armed += [
                     self.adapter.query_projection(attention).register_forward_hook(
-                        _capture(prefill, "q", thread)
+                        _keep_output(prefill.keep_queries, thread)
                     ),
                     self.adapter.key_projection(attention).register_forward_hook(
-                        _capture(prefill, "k", thread)
+                        _keep_output(prefill.keep_keys, thread)
                     ),
                 ]
         returned = self._on_model_return(prefill, thread, continuation)
@@ -249,8 +248,8 @@ class PruningEngine:
                 return None
             _disarm(self._in_flight.pop(thread, []))
             self._vision_captures.pop(thread, None)
-            if prefill.record.pruned and prefill.cache is not None:  # finish() wrote its ledger
-                compat.cache.guard(prefill.cache)
+            if prefill.ledger is not None:
+                write_ledger(prefill.cache, prefill.ledger)
             if continuation is None or output is None:  # None: the prefill raised
                 return None
             return continuation.run(module, output)
@@ -314,12 +313,12 @@ def _before_layer(
     return hook
 
 
-def _capture(prefill: Prefill, name: str, thread: int) -> Callable:
-    """Forward hook keeping a scored layer's projection output for the stage."""
+def _keep_output(keep: Callable[[torch.Tensor], None], thread: int) -> Callable:
+    """Forward hook handing a scored layer's projection output to the prefill (``keep``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if threading.get_ident() == thread:
-            prefill.captured[name] = output
+            keep(output)
 
     return hook
 
@@ -330,6 +329,6 @@ def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerCo
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() == thread:
-            prefill.captured["embeddings"] = contract.call(args, kwargs).hidden
+            prefill.keep_embeddings(contract.call(args, kwargs).hidden)
 
     return hook

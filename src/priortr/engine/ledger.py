@@ -2,10 +2,11 @@
 
 A pruned cache holds S' of the prompt's S tokens, so the calls that follow the prefill (decode steps,
 later chat turns) must see masks and positions that match the shorter cache: generate() counts
-positions from the whole conversation and builds masks over it. The ledger is written once, at the end
-of the pruned prefill, as an attribute of the cache object itself, so it travels wherever the cache
-goes (``copy.deepcopy``, pickling). A decode step reads it and adjusts the call with tensor work only:
-no host sync, nothing that changes from step to step (so a compiled decode step does not recompile).
+positions from the whole conversation and builds masks over it. The ledger is made at the end of the
+pruned prefill (``ledger_for``) and written when the model returns from it (``write_ledger``), as an
+attribute of the cache object itself, so it travels wherever the cache goes (``copy.deepcopy``,
+pickling). A decode step reads it and adjusts the call with tensor work only: no host sync, nothing
+that changes from step to step (so a compiled decode step does not recompile).
 
 The stock model knows nothing of the ledger: continued without pruning attached (after
 ``handle.remove()``, or on another model) it would attend with positions off by the dropped tokens and
@@ -24,6 +25,8 @@ import torch
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
+from priortr.engine.plan import PrefillPlan
+from priortr.engine.sequence import SequenceMap
 
 ATTRIBUTE = "_priortr_ledger"
 
@@ -66,15 +69,29 @@ def ledger_of(cache: Any) -> CacheLedger | None:
     return ledger
 
 
+def ledger_for(plan: PrefillPlan, sequence: SequenceMap) -> CacheLedger:
+    """The ledger of a prefill planned by ``plan`` whose cache holds the columns of ``sequence``."""
+    return CacheLedger(
+        prompt_length=plan.seq,
+        kept_length=sequence.width,
+        prompt_mask=sequence.key_valid().long(),
+        filler=sequence.filler,
+        next_position=plan.next_position,
+        kept_positions=plan.text_positions.gather(1, sequence.positions),
+        masked=plan.padded or sequence.filler is not None,
+    )
+
+
 def write_ledger(cache: Any, ledger: CacheLedger | None) -> None:
-    """Attach ``ledger`` to ``cache`` (None removes it and the guard: the cache was reset for a new
-    prompt)."""
+    """Attach ``ledger`` to ``cache`` and guard the cache (the model returned from the pruned prefill); None
+    removes both (the cache was reset for a new prompt). The only place a ledger is written."""
     if ledger is None:
         if hasattr(cache, ATTRIBUTE):
             delattr(cache, ATTRIBUTE)
         compat.cache.unguard(compat.cache.first_layer(cache))
         return
     setattr(cache, ATTRIBUTE, ledger)
+    compat.cache.guard(cache)
 
 
 def continue_call(

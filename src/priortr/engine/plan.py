@@ -2,7 +2,7 @@
 
 From one host copy of the prompt's token ids and padding mask, the plan finds every image and video of
 every row (``adapter.visual_items``; an item's separator is the slot right after it, Appendix A.3),
-groups their tokens into pools (``priortr.pools``), fixes every stage's budget, and lays out the text
+groups their tokens into pools (``priortr.engine.pools``), fixes every stage's budget, and lays out the text
 rows whose attention a scored layer recomputes. Every count and shape a stage needs is a Python value
 here, so the stages issue their device work without reading anything back from the device.
 """
@@ -18,8 +18,8 @@ import torch
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig, PruningSkippedWarning
-from priortr.host import to_device, to_host
-from priortr.pools import Pool, make_pools
+from priortr.engine.host import to_device, to_host
+from priortr.engine.pools import Pool, make_pools
 
 ROW_EVIDENCE = frozenset({"attention", "next_attention", "keys", "final_norm"})
 """Evidence that reads the text rows after a pool's separator, so the plan lays them out."""

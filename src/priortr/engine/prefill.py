@@ -1,9 +1,9 @@
 """One pruned prefill: the stages of a plan, run between decoder layers.
 
-Before decoder layer ``l``, a stage scored at layer ``l - 1`` (or, for ``l = 0``, before the language
-model) runs: gather evidence -> select -> cut. Layers after the first cut receive RoPE and masks
-gathered to the kept tokens; the layer a stage scores hands over its RoPE, its cache and (through the
-projection hooks) its queries and keys.
+A stage is named by the layer it scores, ``s`` (-1: before the language model), and runs before layer
+``s + 1``: gather evidence -> select -> cut -> record (``run_stage``). Layer ``s`` hands it a
+``ScoredLayer`` (its attention module, RoPE and, through the projection hooks, its queries and keys).
+Layers after the first cut receive RoPE and masks gathered to the kept tokens.
 """
 
 from __future__ import annotations
@@ -15,22 +15,15 @@ import torch
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.checks import value_checks_enabled
 from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.cut import Decision, cut
-from priortr.engine.evidence import (
-    attention_at_layer,
-    groups,
-    input_embeddings,
-    next_layer_attention,
-    stage_inputs,
-    token_evidence,
-    vision_evidence,
-)
-from priortr.engine.ledger import CacheLedger, write_ledger
+from priortr.engine.evidence import Group, ScoredLayer, Sources, gather, groups
+from priortr.engine.ledger import CacheLedger, ledger_for
 from priortr.engine.plan import PrefillPlan
-from priortr.engine.report import LayerCache, PrefillRecord, Scored
+from priortr.engine.result import LayerCache, PrefillRecord
 from priortr.engine.sequence import SequenceMap
+from priortr.methods.selection import StageInputs
+from priortr.methods.value_checks import value_checks_enabled
 
 
 class Prefill:
@@ -63,8 +56,10 @@ class Prefill:
             filler=None,
         )
         self.pending = list(plan.stages)
-        self.captured: dict[str, Any] = {}
+        self.scored: ScoredLayer | None = None  # what the next stage's scored layer handed over
+        self.embeddings: torch.Tensor | None = None  # [B, S, D] the input of decoder layer 0
         self.cache: Any = None
+        self.ledger: CacheLedger | None = None  # written to the cache when the model returns
         self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
         self.input_positions: list[torch.Tensor] | None = None
         if "input_embeddings" in config.method.needs:  # pools narrow stage by stage; keep their start
@@ -77,92 +72,53 @@ class Prefill:
         return self.pending[0] if self.pending else None
 
     def before_layer(self, index: int, layer: torch.nn.Module, call: compat.calls.LayerCall) -> None:
-        """Run what has to happen before decoder layer ``index``; rewrites its ``call`` in place."""
-        if self.next_stage == index - 1:
-            if self.next_stage == BEFORE_LLM:
-                self.cache = call.cache
+        """Run what has to happen before decoder layer ``index``; rewrites its ``call`` in place: the stage
+        scored at ``index - 1``, the kept tokens' RoPE and mask, and the capture of layer ``index`` when
+        the next stage scores it."""
+        if self.next_stage == BEFORE_LLM:
+            self.cache = call.cache
+        if self.next_stage is not None and self.next_stage + 1 == index:
             call.hidden = self.run_stage(call.hidden, layer, call.rope)
         if self.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
         if self.next_stage == index:
-            cache = call.cache
-            if cache is not None:
-                local = None if self.windows is None else [window is not None for window in self.windows]
-                compat.cache.check_prunable(cache, index, local)
-            self.cache = cache
-            self.captured["rope"] = call.rope
-            self.captured["attention"] = self.adapter.attention(layer)
+            self._capture(index, layer, call)
+
+    def keep_queries(self, output: torch.Tensor) -> None:
+        """The scored layer's query projection output [B, S', H * d], as it ran."""
+        self.scored.query_out = output
+
+    def keep_keys(self, output: torch.Tensor) -> None:
+        """The scored layer's key projection output [B, S', Hkv * d], as it ran."""
+        self.scored.key_out = output
+
+    def keep_embeddings(self, hidden: torch.Tensor) -> None:
+        """The hidden states [B, S, D] entering decoder layer 0, before any stage."""
+        self.embeddings = hidden
 
     @torch.no_grad()
     def run_stage(
         self, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
-        """Gather evidence -> select -> cut, for every group of pools this stage ranks, before
-        ``next_layer`` runs on ``hidden`` with the prompt's RoPE ``rope`` (not yet gathered)."""
+        """The next stage, before ``next_layer`` runs on ``hidden`` [B, S', D] with the prompt's RoPE
+        ``rope`` (not yet gathered): gather evidence -> select -> cut -> record."""
         layer = self.pending.pop(0)
-        plan, config, method = self.plan, self.config, self.config.method
-        with value_checks_enabled(config.strict):
-            attention = None
-            if "attention" in method.needs:
-                attention = attention_at_layer(
-                    plan, self.sequence, self.captured, self.adapter, self._window(layer)
-                )
-            elif "next_attention" in method.needs:
-                if self.sequence.positions is not None:
-                    rope = self.adapter.gather_rope(rope, self.sequence.positions)
-                attention = next_layer_attention(
-                    plan, self.sequence, hidden, next_layer, rope, self.adapter, self._window(layer + 1)
-                )
-            decisions = []
-            for group in groups(plan, self.sequence, layer, self.input_positions is not None):
-                vision, project = None, None
-                if self.vision is not None:
-                    probe, capture = self.vision
-                    vision, project = vision_evidence(capture, probe, plan, group, method), probe.projector
-                tokens = embeddings = None
-                if method.needs & {"keys", "final_norm"}:
-                    tokens = token_evidence(
-                        group,
-                        hidden,
-                        plan,
-                        self.sequence,
-                        self.captured,
-                        self.adapter,
-                        self.final_norm,
-                        method.needs,
-                    )
-                if self.input_positions is not None:
-                    embeddings = input_embeddings(
-                        self.captured.get("embeddings"), self.input_positions, plan, group
-                    )
-                inputs = stage_inputs(group, hidden, attention, plan, config, vision, tokens, embeddings)
-                selection = method.select(inputs, **config.options)
-                if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
-                    raise ValueError(
-                        f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
-                        f"{len(group.pools)} images of {group.size} tokens"
-                    )
-                if not self.record.stages and selection.scores is not None and inputs.attention is not None:
-                    pools = [(pool.row, pool.positions) for pool in group.pools]
-                    self.record.scored.append(Scored(pools, inputs.attention, selection.scores))
-                decisions.append(Decision(group, selection, inputs.hidden, inputs.vision_features, project))
-            changed = any(
-                d.selection.kept.shape[1] < d.group.size or d.selection.merge is not None for d in decisions
-            )
-            if changed:
-                unranked = [pool for pool in plan.pools if layer not in pool.stages]
-                hidden = cut(
-                    self.sequence, plan.text_tokens, decisions, unranked, hidden, self.cache, layer + 1
-                )
-                self._layer_inputs.clear()
-        stage = [(pool.row, pool.positions) for pool in plan.pools]
-        self.record.stages.append((layer, stage, any(d.selection.merge is not None for d in decisions)))
+        decisions = []
+        with value_checks_enabled(self.config.strict):
+            sources = self._sources(layer, hidden, next_layer, rope)
+            for group in groups(self.plan, self.sequence, layer, self.input_positions is not None):
+                inputs = gather(self.config.method.needs, sources, group)
+                decisions.append(self._select(group, inputs))
+            if any(decision.changes for decision in decisions):
+                hidden = self._cut(layer, decisions, hidden)
+        merged = any(decision.selection.merge is not None for decision in decisions)
+        self.record.add_stage(layer, self.plan.pools, merged)
         if not self.pending:
             self.finish()
         return hidden
 
     def finish(self) -> None:
-        """Close the record and, when the cache was pruned, write its ledger."""
+        """Close the record and, when the cache was pruned, make its ledger."""
         sequence = self.sequence
         self.record.sequence = sequence
         self.record.pruned = sequence.positions is not None
@@ -171,16 +127,59 @@ class Prefill:
             for index in range(len(self.windows or ()))
         )
         if self.record.pruned and self.cache is not None:
-            ledger = CacheLedger(
-                prompt_length=self.plan.seq,
-                kept_length=sequence.width,
-                prompt_mask=sequence.key_valid().long(),
-                filler=sequence.filler,
-                next_position=self.plan.next_position,
-                kept_positions=self.plan.text_positions.gather(1, sequence.positions),
-                masked=self.plan.padded or sequence.filler is not None,
+            self.ledger = ledger_for(self.plan, sequence)
+
+    def _capture(self, index: int, layer: torch.nn.Module, call: compat.calls.LayerCall) -> None:
+        """Start the capture of layer ``index``, which the next stage scores; its cache must be prunable."""
+        cache = call.cache
+        if cache is not None:
+            local = None if self.windows is None else [window is not None for window in self.windows]
+            compat.cache.check_prunable(cache, index, local)
+        self.cache = cache
+        self.scored = ScoredLayer(index, self.adapter.attention(layer), call.rope)
+
+    def _sources(
+        self, layer: int, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
+    ) -> Sources:
+        """Where the stage scored at ``layer`` reads its evidence."""
+        return Sources(
+            plan=self.plan,
+            sequence=self.sequence,
+            config=self.config,
+            hidden=hidden,
+            adapter=self.adapter,
+            scored=self.scored if layer != BEFORE_LLM else None,
+            next_layer=next_layer,
+            rope=rope,
+            window=self._window(layer) if layer != BEFORE_LLM else None,
+            next_window=self._window(layer + 1),
+            vision=self.vision,
+            final_norm=self.final_norm,
+            embeddings=self.embeddings,
+            input_positions=self.input_positions,
+        )
+
+    def _select(self, group: Group, inputs: StageInputs) -> Decision:
+        """The method's selection for ``group``, checked against the group's size."""
+        method = self.config.method
+        selection = method.select(inputs, **self.config.options)
+        if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
+            raise ValueError(
+                f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
+                f"{len(group.pools)} images of {group.size} tokens"
             )
-            write_ledger(self.cache, ledger)
+        self.record.note_scores(group.pools, inputs.attention, selection.scores)
+        project = self.vision[0].projector if self.vision is not None else None
+        return Decision(group, selection, inputs.hidden, inputs.vision_features, project)
+
+    def _cut(self, layer: int, decisions: list[Decision], hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the stage's ``decisions`` to ``hidden``, the sequence map and the cache of layers
+        ``0 .. layer``; the pools this stage does not rank keep every token."""
+        unranked = [pool for pool in self.plan.pools if layer not in pool.stages]
+        sequence, text_tokens = self.sequence, self.plan.text_tokens
+        hidden = cut(sequence, text_tokens, decisions, unranked, hidden, self.cache, layer + 1)
+        self._layer_inputs.clear()
+        return hidden
 
     def _window(self, layer: int) -> compat.layers.Window | None:
         return None if self.windows is None else self.windows[layer]

@@ -1,9 +1,12 @@
 """Pruning methods, one module each, all in one registry (``registry``).
 
-A method module holds its selector, its schedule, its knobs and its registration; importing this
-package registers every built-in method. Shared pieces sit beside them: ``checks`` (evidence and knob
-validation), ``tokens`` and ``groups`` (building a Selection), ``clustering`` and ``recycling``
-(SparseVLM's token recycling, reused by PriorTR+Merging). A new method is one new module imported here.
+The contract every method shares sits here too: ``selection`` (``StageInputs`` in, ``Selection`` out),
+``scoring`` (evidence Q, P and the last row, budgets, top-K), ``value_checks`` (whether checks that read
+tensor values run). A method module holds its selector, its schedule, its knobs and its registration;
+importing this package registers every built-in method. Shared pieces sit beside them: ``validate``
+(evidence and knob validation), ``tokens`` and ``groups`` (building a Selection), ``clustering`` and
+``recycling`` (SparseVLM's token recycling, reused by PriorTR+Merging). A new method is one new module
+imported here.
 """
 
 from priortr.methods import (  # noqa: F401  (registration)

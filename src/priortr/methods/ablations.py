@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from priortr.methods.registry import register_rule
-from priortr.scoring import EPS, Evidence
+from priortr.methods.scoring import EPS, Evidence
 
 
 @register_rule(

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from priortr.checks import value_checks
-from priortr.methods.checks import check_budget, check_int
 from priortr.methods.registry import register_method
+from priortr.methods.selection import Selection, StageInputs, keep_all
 from priortr.methods.setorder import set_order
 from priortr.methods.tokens import unit
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_budget, check_int
+from priortr.methods.value_checks import value_checks
 
 _EVIDENCE = (
     "keys",

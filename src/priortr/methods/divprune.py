@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from priortr.methods.checks import check_budget
 from priortr.methods.registry import register_method
+from priortr.methods.selection import Selection, StageInputs, keep_all
 from priortr.methods.tokens import stack_rows, unit
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_budget
 
 
 def _divprune_row(features: torch.Tensor, budget: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from priortr.methods.registry import register_rule
-from priortr.scoring import Evidence
+from priortr.methods.scoring import Evidence
 
 
 @register_rule(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.selection import Selection
+from priortr.methods.selection import Selection
 
 
 @dataclass(frozen=True)

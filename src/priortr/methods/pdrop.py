@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from priortr.methods.priortr import priortr_score
 from priortr.methods.registry import register_method
-from priortr.selection import Selection, StageInputs, top_k
+from priortr.methods.selection import Selection, StageInputs, top_k
 
 
 def pyramid_stages(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> list[tuple[int, int]]:

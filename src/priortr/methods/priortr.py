@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from priortr.methods.checks import check_attention, check_bool, check_budget, check_text_rows, same_count
 from priortr.methods.groups import stack_plans
 from priortr.methods.recycling import check_recycling, recycle_counts, recycle_groups, split_budget
 from priortr.methods.registry import register_method, register_rule
-from priortr.scoring import EPS, Evidence
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.scoring import EPS, Evidence
+from priortr.methods.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_attention, check_bool, check_budget, check_text_rows, same_count
 
 
 @register_rule(

@@ -10,7 +10,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from priortr.methods.checks import (
+from priortr.methods.registry import register_method
+from priortr.methods.selection import Selection, StageInputs, keep_all
+from priortr.methods.tokens import descending
+from priortr.methods.validate import (
     check_bool,
     check_budget,
     check_features,
@@ -18,9 +21,6 @@ from priortr.methods.checks import (
     check_vision_last,
     same_count,
 )
-from priortr.methods.registry import register_method
-from priortr.methods.tokens import descending
-from priortr.selection import Selection, StageInputs, keep_all
 
 
 def iqr_outliers(cls: torch.Tensor) -> int:

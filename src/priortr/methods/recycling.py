@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from priortr.methods.checks import check_fraction, check_int
 from priortr.methods.clustering import CLUSTERINGS
 from priortr.methods.groups import Group, plain_groups, uniform_group
 from priortr.methods.tokens import descending
+from priortr.methods.validate import check_fraction, check_int
 
 
 def recycle_counts(n_pruned: int, recycle_ratio: float, tokens_per_cluster: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The registry of pruning methods: what each one reads, where it prunes, and the paper it comes from.
 
-A method is a selector (a pure tensor function ``StageInputs -> Selection``, ``priortr.selection``)
+A method is a selector (a pure tensor function ``StageInputs -> Selection``, ``priortr.methods.selection``)
 plus where it acts: ``vision`` (on the visual tokens before the language model, from vision-tower
 evidence), ``layer`` (after one decoder layer, from that layer's attention or hidden states) or
 ``layers`` (several decoder layers, a schedule of stages). A scoring rule (``Evidence -> scores``,
@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from priortr.scoring import Evidence
-from priortr.selection import Selection, StageInputs, top_k
+from priortr.methods.scoring import Evidence
+from priortr.methods.selection import Selection, StageInputs, top_k
 
 WHERE = ("vision", "layer", "layers")
 DEFAULT_LAYER = 2

@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from priortr.methods.checks import check_budget, check_int
 from priortr.methods.groups import stack_plans
 from priortr.methods.recycling import check_recycling, recycle_counts, recycle_groups, split_budget
 from priortr.methods.registry import register_method
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_budget, check_int
 
 _SPARSEVLM_DEPTH = 32
 _SPARSEVLM_TOKENS = 576

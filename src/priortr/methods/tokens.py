@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from priortr.selection import Selection
+from priortr.methods.selection import Selection
 
 
 def unit(features: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from priortr.methods.checks import check_bool, check_budget, check_features, check_fraction, check_vision
 from priortr.methods.registry import register_method
+from priortr.methods.selection import Selection, StageInputs, keep_all
 from priortr.methods.tokens import descending, stack_rows
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_bool, check_budget, check_features, check_fraction, check_vision
 
 
 def _visionzip_row(

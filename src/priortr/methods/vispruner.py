@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from priortr.methods.checks import check_budget, check_features, check_fraction, check_int, check_vision_cls
 from priortr.methods.registry import register_method
+from priortr.methods.selection import Selection, StageInputs, keep_all
 from priortr.methods.tokens import stack_rows
-from priortr.selection import Selection, StageInputs, keep_all
+from priortr.methods.validate import check_budget, check_features, check_fraction, check_int, check_vision_cls
 
 
 def _remove_duplicates(

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 
+from priortr.tools.report import VANILLA
+
 SPLITS = ("scenes-test", "easy-vqa-test", "scenes-train")  # the named question sets of ``data``
-VANILLA = "vanilla"  # the unpruned model's row in ``priortr eval``
 DEFAULT_METHODS = (VANILLA, "random", "fastv", "posterior", "priortr")
 DEFAULT_BUDGETS = (192, 128, 64, 32)
 

@@ -16,8 +16,8 @@ from functools import cache
 
 from PIL import Image
 
-from priortr.calibrate import Prompt
 from priortr.testbed import SPLITS, scenes
+from priortr.tools.calibrate import Prompt
 
 SCENE_TEST_SIZE = 400
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from priortr import loading, viz
 from priortr.adapters import adapter_for
-from priortr.bench import Spread
-from priortr.calibrate import Calibrator, Prompt, Setting, Timing
-from priortr.config_file import read_config
 from priortr.testbed import assemble, scenes
 from priortr.testbed.data import Sample, scene_samples
 from priortr.testbed.evaluate import is_correct
+from priortr.tools import families, loading, viz
+from priortr.tools.bench import Spread
+from priortr.tools.calibrate import Calibrator, Prompt, Setting, Timing
+from priortr.tools.config_file import read_config
 
 CALIBRATED = Path(__file__).with_name("calibrated.json")
 DEMO_SCENE = ("test", 7)
@@ -125,6 +125,6 @@ def figure(
         maps += viz.attention_maps(
             model, processor, image, sample.question, layers=(layer,), budgets=(budget,), method=method
         )
-    view = adapter_for(model).image_view(image, processor)
+    view = families.image_view(adapter_for(model), image, processor)
     title = f'testbed, "{sample.question}" (answer: {sample.answer}); rows: {", ".join(methods)}'
     return viz.render(maps, view, path, title=title)

@@ -22,11 +22,11 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
-from priortr.journal import Journal, write_whole
 from priortr.methods import get_method
-from priortr.prompts import prompt_text
 from priortr.testbed import DEFAULT_BUDGETS, DEFAULT_METHODS, VANILLA
 from priortr.testbed.data import Sample, iter_images
+from priortr.tools.journal import Journal, write_whole
+from priortr.tools.prompts import prompt_text
 
 
 @dataclass
@@ -224,32 +224,25 @@ def evaluate(
     processor: Any,
     samples: Sequence[Sample],
     split: str,
-    methods: Sequence[str] = DEFAULT_METHODS,
-    budgets: Sequence[int] = DEFAULT_BUDGETS,
-    layer: int | None = None,
     batch_size: int = 8,
-    model_name: str = "testbed",
     progress: bool = True,
-    journal: Journal | None = None,
-    options: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> Report:
-    """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned.
-
-    ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
-    that prune before the language model or on their own schedule of layers take none. ``options``:
-    the pruned methods' knobs (``priortr.apply``'s ``options``). With a
-    ``journal`` every answer is recorded as its batch finishes, and answers already recorded there are
-    not asked again (``Evaluation``)."""
-    evaluation = Evaluation(
-        model, processor, samples, split, methods, budgets, layer, model_name, journal, options
-    )
+    """Answer every sample under every (method, budget) cell; vanilla runs once, unpruned. ``settings``
+    are ``Evaluation``'s (methods, budgets, layer, model_name, journal, options)."""
+    evaluation = Evaluation(model, processor, samples, split, **settings)
     evaluation.run(batch_size, progress)
     return evaluation.report()
 
 
 class Evaluation:
     """One ``evaluate`` run, whose ``report()`` holds every answer recorded so far: after an interrupt
-    it is the table of what finished."""
+    it is the table of what finished.
+
+    ``layer`` is the scored layer of the one-layer methods (None: each method's own default); methods
+    that prune before the language model or on their own schedule of layers take none. ``options``:
+    the pruned methods' knobs (``priortr.apply``'s ``options``). With a ``journal`` every answer is
+    recorded as its batch finishes, and answers already recorded there are not asked again."""
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ Each class is vLLM's own model class with four hooks, inert unless the model con
 * ``embed_input_ids``: unpacks them; an image that keeps all N is merged as vLLM merges it;
 * ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); LLaVA is
   given vLLM's per-request M-RoPE bookkeeping for this, its layers still get 1-D positions;
-* ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill.py``),
+* ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
   original positions. Any other step is the stock forward.
@@ -27,9 +27,9 @@ from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
-from priortr.integrations.vllm.layers import TextModel, batch_layout
+from priortr.integrations.vllm.decoder import TextModel, batch_layout
 from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
-from priortr.integrations.vllm.prefill import (
+from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
     PrunedPrompt,
     StepImage,

@@ -4,7 +4,7 @@ The engine-wide settings ride in the model's Hugging Face config under ``priortr
 ``--hf-overrides '{"priortr": {...}}'`` / ``LLM(..., hf_overrides=...)``) and take the keywords of
 ``priortr.apply``; a request may change its budget or turn pruning off through
 ``mm_processor_kwargs={"priortr": {"budget": 32}}`` / ``{"priortr": {"enabled": false}}``. Both are
-checked by the library's own ``pruning_config``, so a bad setting reads as it does for ``apply``.
+checked by the library's own ``PruningConfig.of``, so a bad setting reads as it does for ``apply``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from priortr.api import pruning_config
 from priortr.engine.config import PruningConfig
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import resolve_budget
 
 SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""
@@ -44,7 +43,7 @@ def engine_config(settings: object, n_layers: int) -> PruningConfig:
             f"unknown priortr setting(s) {', '.join(unknown)} for vLLM; "
             f"accepted: {', '.join(sorted(ENGINE_KEYS))}"
         )
-    config = pruning_config(n_layers=n_layers, **settings)
+    config = PruningConfig.of(n_layers=n_layers, **settings)
     check_served(config)
     return config
 

@@ -53,11 +53,11 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr import compat
-from priortr.configs import load_config
 from priortr.methods import get_method
 from priortr.methods.pdrop import pyramid_stages
 from priortr.methods.registry import DEFAULT_LAYER
-from priortr.scoring import resolve_budget
+from priortr.methods.scoring import resolve_budget
+from priortr.tools.configs import load_config
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
 METHODS: tuple[str, ...] = ("priortr", "fastv", "pdrop")

@@ -19,7 +19,7 @@ the prefill (the first model call) and of the last decode step.
 from __future__ import annotations
 
 import contextlib
-import time
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import priortr
 from priortr.engine import plan as plan_module
+from priortr.tools import timing
 
 VIEW_OPS = frozenset(
     {
@@ -226,34 +227,17 @@ def count_generate(
     return calls
 
 
-def _median_seconds(
+def _median_call_seconds(
     model: torch.nn.Module, inputs: dict, repeats: int, **generate_kwargs
 ) -> tuple[float, float]:
     """Median wall time of the prefill and of the last decode step over ``repeats`` generate() runs."""
     prefill, decode = [], []
     for _ in range(repeats):
-        stamps: list[float] = []
-
-        def on_call(module, args, stamps=stamps):
-            stamps.append(time.perf_counter())
-
-        def on_return(module, args, output, stamps=stamps):
-            stamps.append(time.perf_counter())
-
-        handles = [model.register_forward_pre_hook(on_call), model.register_forward_hook(on_return)]
-        try:
-            with torch.no_grad():
-                model.generate(
-                    **inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, **generate_kwargs
-                )
-        finally:
-            for handle in handles:
-                handle.remove()
-        prefill.append(stamps[1] - stamps[0])
-        decode.append(stamps[-1] - stamps[-2])
-    prefill.sort()
-    decode.sort()
-    return prefill[len(prefill) // 2], decode[len(decode) // 2]
+        with timing.forward_calls_ms(model) as calls, torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, **generate_kwargs)
+        prefill.append(calls[0] / 1e3)
+        decode.append(calls[-1] / 1e3)
+    return statistics.median(prefill), statistics.median(decode)
 
 
 def measure(
@@ -267,10 +251,10 @@ def measure(
     ``priortr.apply(model, **apply_kwargs)``: the prefill and the last of three decode steps."""
     generate_kwargs = generate_kwargs or {}
     vanilla = count_generate(model, inputs, **generate_kwargs)
-    vanilla_times = _median_seconds(model, inputs, repeats, **generate_kwargs)
+    vanilla_times = _median_call_seconds(model, inputs, repeats, **generate_kwargs)
     with priortr.apply(model, **apply_kwargs):
         pruned = count_generate(model, inputs, **generate_kwargs)
-        pruned_times = _median_seconds(model, inputs, repeats, **generate_kwargs)
+        pruned_times = _median_call_seconds(model, inputs, repeats, **generate_kwargs)
     vanilla[0].seconds, vanilla[-1].seconds = vanilla_times
     pruned[0].seconds, pruned[-1].seconds = pruned_times
     return Overhead(

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 VANILLA = "vanilla"
+"""The unpruned model's row, in every table and journal of the tools (bench, calibrate, eval, report)."""
 RESULTS_GLOB = "*_results.json"  # lmms-eval's EvaluationTracker: <output_path>/<model>/<date>_results.json
 DEFAULT_METHOD, DEFAULT_BUDGET = "priortr", "64"  # the plug-in's defaults, when model_args omit them
 OTHER_DECIMALS = 3  # a task outside the paper's table: its metric as lmms-eval reports it, often in [0, 1]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.checks import value_checks
-from priortr.scoring import Evidence, select_top_k
+from priortr.methods.scoring import Evidence, select_top_k
+from priortr.methods.value_checks import value_checks
 
 MERGE_SPACES = ("hidden", "features")
 

@@ -4,7 +4,7 @@ prior, posterior, and prior-corrected attention maps").
 ``attention_maps`` runs one pruned prefill per (layer, budget) and returns the prior Q (the separator
 row), the posterior P (the instruction rows), the rule's score S and the kept set as token grids;
 ``render`` draws them over the part of the image that the token grid spans. Which token covers which
-image region is family knowledge and lives in the adapters (``visual_grid``, ``image_view``).
+image region is family knowledge and lives in ``priortr.tools.families`` (``visual_grid``, ``image_view``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
-from priortr.prompts import chat_inputs
+from priortr.tools import families
+from priortr.tools.prompts import chat_inputs
 
 # Colour-bar labels of the score column, by rule; other rules get their name.
 SCORE_LABELS = {
@@ -103,11 +104,11 @@ def attention_maps(
     """Q, P, S and the kept set of ``image`` under ``prompt``, one plain pruned prefill per (layer, budget).
 
     The maps of the paper's qualitative figure; ``handle.last`` of each prefill, reshaped to the token
-    grid that the family's adapter declares (``visual_grid``).
+    grid that ``families.visual_grid`` declares for the family.
     """
     adapter = adapter_for(model)
     inputs = chat_inputs(processor, image, prompt, model)
-    grid = adapter.visual_grid(model.config, inputs, 0)
+    grid = families.visual_grid(adapter, model.config, inputs, 0)
     results = []
     for layer in layers:
         for budget in budgets:
@@ -162,7 +163,7 @@ def render(results: Sequence[MapResult], image_view: Any, path: str | Path, titl
     """One PNG in the layout of the paper's qualitative figure: a row per (layer, budget), with columns
     image, prior Q, posterior P, score S (diverging, centred at 0) and the kept tokens (pruned dimmed).
 
-    ``image_view`` is the part of the image that the token grid spans (the adapter's ``image_view``).
+    ``image_view`` is the part of the image that the token grid spans (``families.image_view``).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

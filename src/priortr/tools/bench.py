@@ -13,7 +13,6 @@ from __future__ import annotations
 import platform
 import resource
 import statistics
-import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -27,12 +26,12 @@ from torch import nn
 import priortr
 from priortr import compat
 from priortr.adapters import adapter_for
-from priortr.configs import load_config
-from priortr.flops import kv_cache_bytes, scheduled_prefill_flops
-from priortr.journal import Journal
-
-VANILLA = "vanilla"
-
+from priortr.tools import families
+from priortr.tools.configs import load_config
+from priortr.tools.flops import kv_cache_bytes, scheduled_prefill_flops
+from priortr.tools.journal import Journal
+from priortr.tools.report import VANILLA
+from priortr.tools.timing import Clock, median_seconds
 
 MIN_QUARTILE_RUNS = 5  # below this, quartiles of a handful of timings say nothing: none are reported
 
@@ -114,31 +113,6 @@ class BenchReport:
         return {"meta": self.meta, "ceilings": asdict(self.ceilings), "cases": rows}
 
 
-class Clock:
-    """Named time marks: CUDA events on GPU (no synchronisation inside the measured region), a
-    monotonic clock on CPU, where kernels run synchronously."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: dict[str, Any] = {}
-
-    def mark(self, name: str) -> None:
-        if name in self.marks:
-            return
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[name] = event
-        else:
-            self.marks[name] = time.perf_counter()
-
-    def elapsed_ms(self, start: str, end: str) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return self.marks[start].elapsed_time(self.marks[end])
-        return (self.marks[end] - self.marks[start]) * 1e3
-
-
 @contextmanager
 def timing_hooks(model: nn.Module, clock_ref: list[Clock], stage_layers: Sequence[int]) -> Iterator[None]:
     """Marks around the image path, the language model and each pruning stage's scoring + surgery:
@@ -178,24 +152,12 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, repeats: int = 5)
     n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    matmul = _median_seconds(lambda: torch.matmul(a, b), device, repeats)
+    matmul = median_seconds(lambda: torch.matmul(a, b), device, repeats)
     size = (1 << 30) if device.type == "cuda" else (1 << 27)
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy = _median_seconds(lambda: dst.copy_(src), device, repeats)
+    copy = median_seconds(lambda: dst.copy_(src), device, repeats)
     return Ceilings(matmul_flops_per_s=2 * n**3 / matmul, copy_bytes_per_s=2 * size / copy)
-
-
-def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        clock = Clock(device)
-        clock.mark("a")
-        fn()
-        clock.mark("b")
-        samples.append(clock.elapsed_ms("a", "b") / 1e3)
-    return statistics.median(samples)
 
 
 def build_model(
@@ -343,7 +305,7 @@ class Bench:
         generator = torch.Generator().manual_seed(self.seed)
         adapter = adapter_for(self.model)
         inputs = compat.inputs.rename_image_argument(
-            self.model, adapter.dummy_inputs(self.model.config, batch, self.text_tokens, generator)
+            self.model, families.dummy_inputs(adapter, self.model.config, batch, self.text_tokens, generator)
         )
         device, dtype = self.model.device, self.model.dtype
         return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
@@ -401,6 +363,7 @@ class Bench:
         return {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": False}
 
     def _decode_warmup(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
+        """An untimed generation before a case's timed ones (the ``decode_warmup`` step of ``run``)."""
         with self._attached(case):
             self.model.generate(**inputs, **self._generate_options())
 
@@ -538,36 +501,13 @@ def run_bench(
     methods: Sequence[str],
     budgets: Sequence[int],
     batch_sizes: Sequence[int],
-    layer: int | None = None,
-    options: dict[str, Any] | None = None,
-    text_tokens: int = 48,
-    new_tokens: int = 32,
-    warmup: int = 3,
-    repeats: int = 10,
-    decode_repeats: int = 3,
-    seed: int = 0,
     progress: Callable[[Iterator], Iterator] = iter,
-    meta: dict[str, Any] | None = None,
-    journal: Journal | None = None,
+    **settings: Any,
 ) -> BenchReport:
     """Every (method, budget, batch) configuration, interleaved across repeats (``schedule``); with a
-    ``journal``, each measurement is recorded as it finishes and those recorded are not repeated."""
-    bench = Bench(
-        model,
-        methods,
-        budgets,
-        batch_sizes,
-        layer,
-        options,
-        text_tokens,
-        new_tokens,
-        warmup,
-        repeats,
-        decode_repeats,
-        seed,
-        meta,
-        journal,
-    )
+    ``journal``, each measurement is recorded as it finishes and those recorded are not repeated.
+    ``settings`` are ``Bench``'s (layer, options, text_tokens, new_tokens, warmup, repeats, ...)."""
+    bench = Bench(model, methods, budgets, batch_sizes, **settings)
     bench.run(progress)
     return bench.report()
 

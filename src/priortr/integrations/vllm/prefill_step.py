@@ -4,10 +4,10 @@ whole, score with the library's method, keep K tokens per image.
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
 through layers 0..L once, as one causal sequence outside the paged cache; layer L's attention rows
-(``priortr.probe.attention_rows``) feed the method through the same evidence code as ``priortr.apply``
-(``priortr.engine.evidence``). What survives is the prompt's text and the kept visual tokens, exactly
-as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after layer L and
-their original positions.
+(``priortr.engine.attention.attention_rows``) feed the method through the same evidence code as
+``priortr.apply`` (``priortr.engine.evidence``). What survives is the prompt's text and the kept visual
+tokens, exactly as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after
+layer L and their original positions.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from itertools import pairwise
 import torch
 
 from priortr.adapters import FamilyAdapter
+from priortr.engine.attention import RowSpec, attention_rows
 from priortr.engine.config import PruningConfig
-from priortr.engine.evidence import groups, stage_inputs
+from priortr.engine.evidence import Sources, gather, groups
 from priortr.engine.plan import PrefillPlan, plan_on_host
 from priortr.engine.sequence import SequenceMap
-from priortr.integrations.vllm.layers import LayerParts
+from priortr.integrations.vllm.decoder import LayerParts
 from priortr.integrations.vllm.positions import image_positions
-from priortr.probe import RowSpec, attention_rows
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,8 @@ def _select(
         valid=valid.to(device),
         text_tokens=host.text_tokens,
         next_position=torch.tensor([ids.shape[1]], device=device),
+        text_positions=torch.arange(ids.shape[1], device=device)[None],  # one unpadded prompt, 0 .. S-1
+        padded=False,
         rows=host.rows.to(device),
         pool_rows=host.pool_rows,
     )
@@ -235,9 +237,10 @@ def _select(
     attention = attention_rows(
         queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.rows, plan.valid), parts.scaling
     )  # [1, H, R, S]
+    sources = Sources(plan, sequence, config, hidden=output[None], attention=attention)
     kept = []
     for group in groups(plan, sequence, config.layer):
-        inputs = stage_inputs(group, output[None], attention, plan, config, None)
+        inputs = gather(config.method.needs, sources, group)
         selection = config.method.select(inputs, **config.options)
         kept.append(group.positions.gather(1, selection.kept).flatten())
     return torch.cat(kept)

@@ -11,13 +11,13 @@ with the unpruned model on the same batches:
   timed prefills of the first prompt (batch 1) after warm-up on this machine (the paper's efficiency
   protocol times the language model without the vision tower), the unpruned model and every
   configuration timed in the same interleaved rounds, afresh on every run
-  (``priortr.bench.interleaved_lm_prefill``); a speed-up within the spread of the timings is flagged
+  (``priortr.tools.bench.interleaved_lm_prefill``); a speed-up within the spread of the timings is flagged
   and counts as none when ranking (``Timing``);
 * FLOPs share: the pruned language-model prefill FLOPs over the unpruned, from the stages the engine
-  ran (``priortr.flops``).
+  ran (``priortr.tools.flops``).
 
 Per method, the recommendation is the fastest configuration whose agreement reaches the target; it is
-written as a config file (``priortr.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
+written as a config file (``priortr.tools.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
 ``--config`` and the lmms-eval plug-in read. The unpruned answers are computed once per run and every
 measured configuration's answers are cached in the output folder, so a re-run with a larger grid
 answers only what is new (the timings, taken together, are always taken again).
@@ -41,12 +41,11 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
-from priortr.bench import Spread, interleaved_lm_prefill, resolved
-from priortr.config_file import write_config
-from priortr.flops import scheduled_prefill_flops
-from priortr.journal import write_whole
 from priortr.methods import get_method
-from priortr.prompts import prompt_text
+from priortr.tools.bench import Spread, interleaved_lm_prefill, resolved
+from priortr.tools.flops import scheduled_prefill_flops
+from priortr.tools.journal import write_whole
+from priortr.tools.prompts import prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,6 @@ PROMPTS_FILE = "prompts.jsonl"
 CACHE_FILE = "calibration-cache.json"
 REFERENCE_FILE = "calibration-reference.pt"
 DEFAULT_TARGET = 0.95
-VANILLA = "vanilla"
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ class Setting:
 @dataclass(frozen=True)
 class Timing:
     """The language-model prefill of one configuration and of the unpruned model, in ms, from the
-    same interleaved rounds (``priortr.bench.interleaved_lm_prefill``)."""
+    same interleaved rounds (``priortr.tools.bench.interleaved_lm_prefill``)."""
 
     lm_prefill: Spread
     unpruned: Spread
@@ -103,7 +101,7 @@ class Timing:
 
     @property
     def resolved(self) -> bool:
-        """The medians differ by more than the spread of either side (``priortr.bench.resolved``)."""
+        """The medians differ by more than the spread of either side (``priortr.tools.bench.resolved``)."""
         return resolved(self.unpruned, self.lm_prefill)
 
 
@@ -458,163 +456,6 @@ class Calibration:
             )
         ]
 
-    def to_dict(self) -> dict[str, Any]:
-        front = {m.setting.key for m in self.pareto()}
-        recommended = {method: m.setting.key if m else None for method, m in self.recommendations().items()}
-        return {
-            "model": self.model,
-            "data": self.data,
-            "prompts": self.prompt_ids,
-            "answer_tokens": self.tokens,
-            "target": self.target,
-            "rank_by": self.rank_by,
-            "unpruned": {
-                "lm_prefill_ms": self.unpruned.median,
-                "lm_prefill": asdict(self.unpruned),
-                "replies": self.reference.replies,
-            },
-            "recommended": recommended,
-            "measurements": [
-                {
-                    "key": m.setting.key,
-                    "pareto": m.setting.key in front,
-                    **{k: v for k, v in asdict(m).items() if k != "timing"},
-                    "lm_prefill_ms": m.timing.lm_prefill.median,
-                    "lm_prefill": asdict(m.timing.lm_prefill),
-                    "speedup": m.speedup,
-                    "speedup_resolved": m.resolved,
-                }
-                for m in self.measurements
-            ],
-        }
-
-    def to_markdown(self) -> str:
-        front = {m.setting.key for m in self.pareto()}
-        chosen = {m.setting.key for m in self.recommendations().values() if m is not None}
-        lines = [
-            f"Model `{self.model}`, data `{self.data}` ({len(self.prompt_ids)} prompts, answers of up to "
-            f"{self.tokens} tokens); unpruned LM prefill {self.unpruned} ms (first prompt; median "
-            "[quartiles] or range, every configuration timed in the same interleaved rounds). Target "
-            f"agreement {self.target:.2f}. P: on the Pareto front (agreement vs speed-up); R: recommended "
-            "for its method; (!): a speed-up within the spread of the timings.",
-            "",
-            "| method | layer | K | agreement | KL (nats) | LM prefill ms | speed-up | FLOPs | kept | |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        ordered = sorted(self.measurements, key=lambda m: (m.method, m.layer or -1, -m.budget))
-        for m in ordered:
-            marks = ("P" if m.setting.key in front else "") + ("R" if m.setting.key in chosen else "")
-            lines.append(
-                f"| {m.method} | {'-' if m.layer is None else m.layer} | {m.budget} | {m.agreement:.3f} | "
-                f"{m.kl:.4f} | {m.timing.lm_prefill} | {speedup_text(m)} | {m.flops_share:.3f} | "
-                f"{m.mean_kept:.0f} | {marks} |"
-            )
-        speed = "measured speed-up, FLOPs share within noise" if self.rank_by == "speedup" else "FLOPs share"
-        lines += ["", f"Recommended (fastest by {speed} with agreement >= target):", ""]
-        for method, m in self.recommendations().items():
-            if m is None:
-                top = max((x for x in self.measurements if x.method == method), key=lambda x: x.agreement)
-                lines.append(
-                    f"- {method}: none reaches {self.target:.2f} (most faithful: {top.setting.label}, "
-                    f"{top.agreement:.3f}); measure larger budgets or other layers"
-                )
-            else:
-                shown = speedup_text(m)
-                lines.append(
-                    f"- {method}: {m.setting.label}, agreement {m.agreement:.3f}, speed-up {shown}, "
-                    f"FLOPs share {m.flops_share:.3f} (`recommended-{method}.json`)"
-                )
-        lines += [f"\nwarning: {line}" for line in noise_warnings(ordered)]
-        return "\n".join(lines) + "\n"
-
-    def plot(self, path: str | Path) -> Path:
-        """Agreement against measured speed-up, one curve per method (and layer), the Pareto front marked."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(7.2, 4.8))
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-        curves = dict.fromkeys((m.method, m.layer) for m in self.measurements)
-        for method, layer in curves:
-            points = sorted(
-                (m for m in self.measurements if (m.method, m.layer) == (method, layer)),
-                key=lambda m: -m.budget,
-            )
-            label = method if layer is None else f"{method} L{layer}"
-            ax.plot([m.speedup for m in points], [m.agreement for m in points], marker="o", label=label)
-        noisy = [m for m in self.measurements if not m.resolved]
-        if noisy:
-            ax.scatter(
-                [m.speedup for m in noisy],
-                [m.agreement for m in noisy],
-                marker="x",
-                color="black",
-                zorder=3,
-                label="speed-up within noise",
-            )
-        front = sorted(self.pareto(), key=lambda m: m.speedup)
-        ax.plot(
-            [m.speedup for m in front],
-            [m.agreement for m in front],
-            color="black",
-            linestyle="--",
-            marker="s",
-            markerfacecolor="none",
-            markersize=11,
-            label="Pareto front",
-        )
-        ax.axhline(self.target, color="grey", linewidth=1, linestyle=":", label=f"target {self.target:.2f}")
-        ax.set_xlabel("measured LM prefill speed-up (x)")
-        ax.set_ylabel("agreement with the unpruned model")
-        ax.set_title(f"{Path(self.model).name or self.model} on {self.data} ({len(self.prompt_ids)} prompts)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        return path
-
-    def write(self, directory: str | Path) -> list[Path]:
-        """``calibration.{json,md,png}``, and a ``recommended-<method>.json`` config per method that
-        reaches the target plus ``recommended.json``, the fastest of them."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = [directory / "calibration.json", directory / "calibration.md"]
-        paths[0].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        paths[1].write_text(self.to_markdown())
-        paths.append(self.plot(directory / "calibration.png"))
-        for path in directory.glob("recommended*.json"):
-            path.unlink()  # a recommendation of an earlier run must not outlive a run that makes none
-        for method, m in self.recommendations().items():
-            if m is not None:
-                paths.append(
-                    write_config(
-                        directory / f"recommended-{method}.json", m.setting.arguments(), self.record(m)
-                    )
-                )
-        best = self.best()
-        if best is not None:
-            paths.append(
-                write_config(directory / "recommended.json", best.setting.arguments(), self.record(best))
-            )
-        return paths
-
-    def record(self, m: Measurement) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "data": self.data,
-            "prompts": len(self.prompt_ids),
-            "target": self.target,
-            "rank_by": self.rank_by,
-            "agreement": round(m.agreement, 4),
-            "kl": round(m.kl, 5),
-            "speedup": round(m.speedup, 3),
-            "speedup_resolved": m.resolved,
-            "flops_share": round(m.flops_share, 4),
-        }
-
 
 def calibrate(
     model: nn.Module,
@@ -674,20 +515,3 @@ def calibrate(
     return Calibration(
         model_name, data_name, [p.id for p in prompts], target, tokens, cache.reference, measured, rank_by
     )
-
-
-def speedup_text(m: Measurement) -> str:
-    """``1.52x``, or ``0.98x (!)`` where the timings do not resolve it."""
-    return f"{m.speedup:.2f}x" + ("" if m.resolved else " (!)")
-
-
-def noise_warnings(measurements: Iterable[Measurement]) -> list[str]:
-    """One line per speed-up (marked (!)) that the spread of the timings cannot support."""
-    return [
-        f"{m.setting.label}: the LM prefill medians differ by less than the spread of the timings "
-        f"({max(m.timing.lm_prefill.width, m.timing.unpruned.width):.2f} ms); the speed-up "
-        f"{m.speedup:.2f}x is within noise and ranks as none (its FLOPs share, {m.flops_share:.3f}, "
-        "is what pruning saves): add --repeats or free the machine"
-        for m in measurements
-        if not m.resolved
-    ]

@@ -4,11 +4,12 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
         --tasks gqa --batch_size 8 --output_path results/
 
-The model is loaded by ``priortr.loading.load`` (``AutoProcessor`` + ``AutoModelForImageTextToText``, the
-CLI's loader and checks), prompts are built by ``priortr.prompts.prompt_text``, and ``priortr.apply`` is
-attached once; every request then runs the stock ``generate()`` / forward call of the pruned model.
-Registered through the ``lmms_eval.models`` entry point (``priortr.lmms_manifest``). This module imports
-``lmms_eval`` and is only imported by lmms-eval itself; ``import priortr`` does not import it.
+The model is loaded by ``priortr.tools.loading.load`` (``AutoProcessor`` +
+``AutoModelForImageTextToText``, the CLI's loader and checks), prompts are built by
+``priortr.tools.prompts.prompt_text``, and ``priortr.apply`` is attached once; every request then runs
+the stock ``generate()`` / forward call of the pruned model. Registered through the ``lmms_eval.models``
+entry point (``priortr.integrations.lmms_eval.manifest``). This module imports ``lmms_eval`` and is only
+imported by lmms-eval itself; ``import priortr`` does not import it.
 
 Requests, in lmms-eval's "simple" model format:
 
@@ -43,24 +44,23 @@ Placement follows lmms-eval's distributed model contract (as its ``llava_hf`` mo
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lmms_eval import utils as lmms_utils
 from lmms_eval.api.instance import GenerationResult, Instance
 from lmms_eval.api.model import lmms
-from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from loguru import logger as eval_logger
 from PIL import Image
 
 import priortr
-from priortr.config_file import parse_budget
-from priortr.loading import DTYPES, load
-from priortr.prompts import prompt_text
+from priortr.integrations.lmms_eval.placement import placement
+from priortr.integrations.lmms_eval.stats import KeptStats, report_stats
+from priortr.tools.config_file import parse_budget
+from priortr.tools.loading import DTYPES, load
+from priortr.tools.prompts import prompt_text
+from priortr.tools.timing import Clock
 
 # keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
 _IGNORED_KWARGS = ("max_batch_size",)
@@ -69,80 +69,21 @@ REQUEST_TYPES = ("loglikelihood", "generate_until")
 PADDING_KEY = "__padding_only__"
 
 
-@dataclass
-class KeptStats:
-    """Visual tokens kept over the batches of one request type: requests with images, and without;
-    model time and generated tokens of those batches."""
-
-    rows: int = 0
-    kept: int = 0  # summed over rows
-    total: int = 0  # summed over rows
-    unpruned_rows: int = 0  # rows without an image: nothing to prune
-    gen_tokens: int = 0
-    elapsed: float = 0.0  # seconds in the model's forward / generate calls
-
-    def add(self, rows: int, pruned_rows: int, kept: int, total: int) -> None:
-        """A batch of ``rows`` requests, ``pruned_rows`` of them with images, keeping ``kept`` of their
-        ``total`` visual tokens."""
-        self.unpruned_rows += rows - pruned_rows
-        self.rows += pruned_rows
-        self.kept += kept
-        self.total += total
-
-    @property
-    def requests(self) -> int:
-        return self.rows + self.unpruned_rows
-
-    def summed_over_processes(self, accelerator: Any, device: torch.device) -> KeptStats:
-        """These counts summed over every process of a data-parallel run (a collective call: every
-        process must make it). float64 holds the integer counts exactly."""
-        counts = [self.rows, self.kept, self.total, self.unpruned_rows, self.gen_tokens, self.elapsed]
-        summed = accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=device), reduction="sum")
-        rows, kept, total, unpruned, gen_tokens, elapsed = summed.tolist()
-        return KeptStats(int(rows), int(kept), int(total), int(unpruned), int(gen_tokens), elapsed)
-
-    def summary(self) -> dict[str, float]:
-        if self.rows == 0:
-            return {}
-        return {
-            "kept_tokens": self.kept / self.rows,
-            "visual_tokens": self.total / self.rows,
-            "kept_ratio": self.kept / self.total,
-        }
-
-
 def is_padding(request: Instance) -> bool:
     """Whether lmms-eval added ``request`` only to even out the processes' shards (its answer is dropped)."""
     return bool((request.metadata or {}).get(PADDING_KEY))
 
 
-def data_parallel_accelerator(device: str | None, device_map: str | None) -> Any | None:
-    """This process's ``Accelerator`` when lmms-eval runs several processes (``WORLD_SIZE`` > 1, as its
-    evaluator reads it to shard the documents), else None.
-
-    Each process then runs the whole model on its own device (``accelerator.device``: ``cuda:LOCAL_RANK``,
-    or ``cpu``); a ``device`` naming another one, or a ``device_map``, is refused with the fix.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return None
-    if device_map:
-        raise ValueError(
-            f"priortr: device_map={device_map} (one model split over devices) cannot be combined with "
-            f"{world_size} data-parallel processes; run one process with device_map, or "
-            "accelerate launch without device_map (each process then holds the whole model)"
-        )
-    from accelerate import Accelerator
-
-    accelerator = Accelerator()
-    own = accelerator.device
-    asked = torch.device(device) if device else own
-    if asked.type != own.type or (asked.index is not None and asked != own):
-        raise ValueError(
-            f"priortr: under {world_size} data-parallel processes each process uses its own device "
-            f"(this one: {own}); drop device={device} from --model_args and --device"
-        )
-    return accelerator
+def _check_model_args(extra: dict[str, Any], batch_size: int | str, dtype: str) -> None:
+    """Refuse model_args the plug-in does not know, a batch size that is not a positive integer and an
+    unknown dtype, before anything is loaded."""
+    unknown = sorted(k for k in extra if k not in _IGNORED_KWARGS)
+    if unknown:
+        raise TypeError(f"priortr: unknown model_args {unknown}; see docs/lmms-eval.md")
+    if not (str(batch_size).strip().isdigit() and int(batch_size) >= 1):
+        raise ValueError(f"priortr: batch_size must be a positive integer; got {batch_size!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"priortr: dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
@@ -197,26 +138,40 @@ class PriorTRLMMs(lmms):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
-        if unknown:
-            raise TypeError(f"priortr: unknown model_args {unknown}; see docs/lmms-eval.md")
-        if str(batch_size).strip().isdigit() and int(batch_size) >= 1:
-            self.batch_size = int(batch_size)  # the CLI passes --batch_size as a string
-        else:
-            raise ValueError(f"priortr: batch_size must be a positive integer; got {batch_size!r}")
-        if dtype != "auto" and dtype not in DTYPES:
-            raise ValueError(f"priortr: dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
-        accelerator = data_parallel_accelerator(device, device_map)
-        if accelerator is None:
-            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        else:
-            self.accelerator = accelerator  # lmms-eval's evaluator gathers through lm.accelerator
-            self.device = accelerator.device
-            self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
+        _check_model_args(kwargs, batch_size, dtype)
+        self.batch_size = int(batch_size)  # the CLI passes --batch_size as a string
+        place = placement(device, device_map)
+        self.device = place.device
+        if place.accelerator is not None:
+            self.accelerator = place.accelerator  # lmms-eval's evaluator gathers through lm.accelerator
+            self._rank, self._world_size = place.rank, place.world_size
         self.max_new_tokens = int(max_new_tokens)
-        self.budget = parse_budget(budget)
+        self._load(pretrained, dtype, device_map, attn_implementation)
+        self.handle = priortr.apply(
+            self.model,
+            method=method,
+            budget=parse_budget(budget),
+            layer=None if layer in (None, "", "None") else int(layer),
+            heads=heads,
+            posterior_rows=posterior_rows,
+            **({"config": config} if config else {}),
+        )
+        self.budget = self.handle.config.budget
+        self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
+        where = f"device_map={device_map}" if device_map else str(self.device)
+        if self.world_size > 1:
+            where += f" (process {self.rank} of {self.world_size}, data parallel)"
+        eval_logger.info(
+            f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {where}, "
+            f"method={self.handle.config.method.name} budget={self.budget} layer={self.handle.config.layer} "
+            f"batch_size={self.batch_size}"
+        )
 
-        # straight onto this process's device (no host copy per process), or split by device_map
+    def _load(
+        self, pretrained: str, dtype: str, device_map: str | None, attn_implementation: str | None
+    ) -> None:
+        """The processor and model, straight onto this process's device (no host copy per process) or
+        split by ``device_map``; batched generation pads on the left, so every row ends at the last column."""
         self.processor, self.model = load(
             pretrained,
             dtype,
@@ -225,38 +180,15 @@ class PriorTRLMMs(lmms):
             device_map=device_map or str(self.device),
             option="pretrained",
         )
-        self.tokenizer = self.processor.tokenizer
-        self.image_token_id = self.model.config.image_token_id
-        self.tokenizer.padding_side = "left"  # batched generate: every row ends at the last column
         if getattr(self.processor, "chat_template", None) is None:
             raise ValueError(f"priortr: the processor of {pretrained!r} has no chat template")
+        self.tokenizer = self.processor.tokenizer
+        self.image_token_id = self.model.config.image_token_id
+        self.tokenizer.padding_side = "left"
         self.pad_token_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
             else self.tokenizer.eos_token_id
-        )
-        self._apply_kwargs = {
-            "method": method,
-            "budget": self.budget,
-            "layer": None if layer in (None, "", "None") else int(layer),
-            "heads": heads,
-            "posterior_rows": posterior_rows,
-        }
-        if config:
-            self._apply_kwargs["config"] = config
-        self.handle = priortr.apply(self.model, **self._apply_kwargs)
-        method, self.budget, layer = (
-            self.handle.config.method.name,
-            self.handle.config.budget,
-            self.handle.config.layer,
-        )
-        self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
-        where = f"device_map={device_map}" if device_map else str(self.device)
-        if self.world_size > 1:
-            where += f" (process {self.rank} of {self.world_size}, data parallel)"
-        eval_logger.info(
-            f"priortr: {pretrained} ({type(self.model).__name__}, {self.model.dtype}) on {where}, "
-            f"method={method} budget={self.budget} layer={layer} batch_size={self.batch_size}"
         )
 
     # -- shared helpers ------------------------------------------------------------------------------
@@ -316,10 +248,6 @@ class PriorTRLMMs(lmms):
             return 0, 0, 0
         return int((last.n_visual > 0).sum()), int((last.kept >= 0).sum()), int(last.n_visual.sum())
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def clean(self) -> None:
         """lmms-eval calls this on every process once every request has run: log the statistics of each
         request type (summed over the processes of a data-parallel run) on the first process, which writes
@@ -329,26 +257,9 @@ class PriorTRLMMs(lmms):
             if self.world_size > 1:
                 stats = stats.summed_over_processes(self.accelerator, self.device)
             if self.rank == 0 and stats.requests:
-                self._report(kind, stats)
+                report_stats(kind, stats, self.budget)
         self._stats = {kind: KeptStats() for kind in REQUEST_TYPES}
         super().clean()
-
-    def _report(self, kind: str, stats: KeptStats) -> None:
-        extra: dict[str, Any] = {
-            "budget": self.budget,
-            **stats.summary(),
-            "unpruned_requests": stats.unpruned_rows,
-        }
-        speed = stats.gen_tokens / stats.elapsed if stats.elapsed > 0 else 0.0
-        log_metrics(stats.elapsed, stats.gen_tokens, speed, extra)
-        if stats.rows:
-            eval_logger.info(
-                f"priortr {kind}: kept {stats.kept / stats.rows:.2f} of {stats.total / stats.rows:.2f} "
-                f"visual tokens per request on average ({stats.rows} requests with an image, "
-                f"{stats.unpruned_rows} without: unpruned)"
-            )
-        elif stats.unpruned_rows:
-            eval_logger.info(f"priortr {kind}: {stats.unpruned_rows} requests ran unpruned (no image)")
 
     # -- generate_until ------------------------------------------------------------------------------
 
@@ -375,8 +286,8 @@ class PriorTRLMMs(lmms):
             ]
             inputs = self._encode(prompts, images)
             before = self.handle.last
-            self._sync()
-            start = time.perf_counter()
+            clock = Clock(self.device)
+            clock.mark("start")
             with torch.inference_mode():
                 output = self.model.generate(
                     **inputs,
@@ -385,8 +296,8 @@ class PriorTRLMMs(lmms):
                     num_beams=1,
                     pad_token_id=self.pad_token_id,
                 )
-            self._sync()
-            stats.elapsed += time.perf_counter() - start
+            clock.mark("end")
+            stats.elapsed += clock.elapsed_ms("start", "end") / 1e3
             stats.add(len(chunk), *self._kept(before))
             new_tokens = output[:, inputs["input_ids"].shape[1] :]
             stats.gen_tokens += int((new_tokens != self.pad_token_id).sum())
@@ -420,13 +331,13 @@ class PriorTRLMMs(lmms):
         stats = self._stats["loglikelihood"]
         for chunk in collator.get_batched(n=self.batch_size):
             images = [self._images(row[3], row[5], row[6], row[4]) for row in chunk]
-            self._sync()
-            start = time.perf_counter()
+            clock = Clock(self.device)
+            clock.mark("start")
             scored = self._score([row[1] for row in chunk], [row[2] for row in chunk], images, stats)
             for row, (ll, greedy) in zip(chunk, scored, strict=True):
                 results[row[0]] = GenerationResult(text=(-ll, greedy))  # type: ignore[arg-type]
-            self._sync()
-            stats.elapsed += time.perf_counter() - start
+            clock.mark("end")
+            stats.elapsed += clock.elapsed_ms("start", "end") / 1e3
         return results
 
     def _score(

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
-from priortr.scoring import Evidence
+from priortr.methods.scoring import Evidence
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,15 @@ class PrefillRecord:
     sequence: SequenceMap | None = None
     pruned: bool = False
     cache: tuple[LayerCache, ...] = ()
+
+    def note_scores(self, pools: list[Pool], evidence: Evidence | None, scores: torch.Tensor | None) -> None:
+        """Keep the first stage's ``evidence`` and ``scores`` [G, n] of ``pools`` (when it has both)."""
+        if not self.stages and evidence is not None and scores is not None:
+            self.scored.append(Scored([(pool.row, pool.positions) for pool in pools], evidence, scores))
+
+    def add_stage(self, layer: int, pools: list[Pool], merged: bool) -> None:
+        """Keep what survived the stage scored at ``layer``: every pool's (row, positions)."""
+        self.stages.append((layer, [(pool.row, pool.positions) for pool in pools], merged))
 
     def result(self) -> PruneResult:
         visual = self.visual

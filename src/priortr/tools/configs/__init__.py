@@ -12,7 +12,7 @@ Each JSON file is the ``config.json`` of a public checkpoint, as transformers wr
 The LLaVA files state the Llama shape explicitly (the hub files leave it to ``LlamaConfig`` defaults),
 so that they do not depend on the defaults of the installed transformers. They only hold shapes and
 token ids: ``load_config`` gives a ``PretrainedConfig`` from which a model with random weights can be
-built (``AutoModelForImageTextToText.from_config``), or whose shapes ``priortr.flops`` reads.
+built (``AutoModelForImageTextToText.from_config``), or whose shapes ``priortr.tools.flops`` reads.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from priortr.checks import value_checks
-from priortr.selection import StageInputs
+from priortr.methods.selection import StageInputs
+from priortr.methods.value_checks import value_checks
 
 NO_CLS_HINT = (
     "this model's vision tower has no [CLS] token (e.g. Qwen2-VL): use divprune, dart or an in-LLM "

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.checks import value_checks
+from priortr.methods.value_checks import value_checks
 
 EPS: float = 1e-6
 """Smoothing constant of the PriorTR score, ε = 1e-6 (Appendix, "Computing Scores")."""
 
-_HEAD_AGGREGATIONS = ("mean", "max")
+HEAD_AGGREGATIONS = ("mean", "max")
+"""How attention is aggregated over heads (``aggregate_heads``)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def aggregate_heads(attn: torch.Tensor, how: str = "mean") -> torch.Tensor:
         return attn.mean(dim=-2)
     if how == "max":
         return attn.amax(dim=-2)
-    raise ValueError(f"unknown head aggregation {how!r}; options: {', '.join(_HEAD_AGGREGATIONS)}")
+    raise ValueError(f"unknown head aggregation {how!r}; options: {', '.join(HEAD_AGGREGATIONS)}")
 
 
 def l1_normalise(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,5 @@
+"""Tools around the library: benchmarks (``bench``, ``overhead``, ``flops``), calibration (``calibrate``),
+plots (``viz``), result tables (``report``, ``journal``), model loading and prompts for the command line
+and the plug-ins (``loading``, ``prompts``), config files (``config_file``, ``configs``), and what they
+need of each family (``families``). The library itself (``priortr.api``, the engine, the methods, the
+adapters) imports none of them but ``config_file``."""
