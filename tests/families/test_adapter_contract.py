@@ -18,6 +18,7 @@ from priortr.adapters.gemma3 import Gemma3Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
+from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
@@ -46,6 +47,7 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "qwen3.5": Qwen3_5Adapter,
     "qwen3.5-moe": Qwen3_5Adapter,
     "gemma3": Gemma3Adapter,
+    "llama4": Llama4Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -66,6 +68,7 @@ DUMMY_TOKENS = {
     "qwen3.5": 576,
     "qwen3.5-moe": 576,
     "gemma3": 16,
+    "llama4": 5 * 4,  # 2 x 2 tiles and the global view, 4 x 4 patches each, pixel-shuffled by 0.5
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 
@@ -211,7 +214,8 @@ def test_queries_keys_and_rope_reproduce_the_attention_weights(family):
     """For every attention layer, softmax(rotate(q) rotate(k)^T * scaling + mask) from the captured q/k
     projection outputs, through ``queries_and_keys``, ``rotate`` and the layer's own position embeddings
     and mask, equals the weights eager attention computes (one unpadded row: eager float64 turns padded
-    rows into NaNs); without the rotation it does not, and ``inverse_rope`` undoes it."""
+    rows into NaNs); without the rotation it does not, and ``inverse_rope`` undoes it (in layers without
+    RoPE, Llama 4's NoPE layers, ``rotate`` leaves them as they are)."""
     model = FAMILIES[family][0](attn="eager")
     adapter = adapter_for(model)
     batch = FAMILIES[family][1](model, 1)
@@ -241,6 +245,7 @@ def test_queries_keys_and_rope_reproduce_the_attention_weights(family):
     finally:
         for handle in handles:
             handle.remove()
+    unrotated = []
     for index, store in stores.items():
         attention = adapter.attention(layers[index])
         queries, keys = adapter.queries_and_keys(attention, store["q"], store["k"])
@@ -254,7 +259,11 @@ def test_queries_keys_and_rope_reproduce_the_attention_weights(family):
             return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
 
         torch.testing.assert_close(weights(adapter.rotate), store["weights"], atol=1e-6, rtol=0)
+        if torch.equal(adapter.rotate(attention, keys, store["rope"]), keys):
+            unrotated.append(index)  # a layer without RoPE (Llama 4's NoPE layers)
+            continue
         assert (weights(lambda attention, x, rope: x) - store["weights"]).abs().max() > 1e-4, index
         rotated = adapter.rotate(attention, keys, store["rope"])
         back = adapter.rotate(attention, rotated, adapter.inverse_rope(store["rope"]))
         torch.testing.assert_close(back, keys, atol=1e-6, rtol=0)  # (cos, sin) come from float32
+    assert len(unrotated) < len(stores), "no layer rotates its queries and keys"

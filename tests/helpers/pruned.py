@@ -15,6 +15,15 @@ from tests.helpers.tiny import Batch
 NEW_TOKENS = 4
 
 
+def logits_atol(model) -> float:
+    """How closely a pruned run's float64 logits must equal the reference's: 1e-10, or 1e-6 for Llama 4,
+    whose stock layers compute RoPE, the q/k norms and every RMSNorm in float32 whatever the model's dtype.
+    Two float64 evaluations of one value (matrix products over different sequence lengths) differ by
+    ~1e-16, which flips a float32 rounding now and then: ~1e-8 in the logits of the tiny model's random
+    weights at transformers 5.17.0, where the same tokens are chosen."""
+    return 1e-6 if model.config.model_type == "llama4" else 1e-10
+
+
 def has_local_or_linear_layers(model) -> bool:
     """Whether the model has layers other than full attention (sliding-window, chunked or linear
     attention), which the masked reference does not model."""
@@ -84,9 +93,10 @@ def assert_matches_reference(model, batch, result, logits, out) -> None:
     with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
         reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
         expected = generate(model, batch)
-    torch.testing.assert_close(logits[real], reference[real], atol=1e-10, rtol=0)
+    torch.testing.assert_close(logits[real], reference[real], atol=logits_atol(model), rtol=0)
     assert torch.equal(out.sequences, expected.sequences)
-    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-10, rtol=0)
+    atol = logits_atol(model)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=atol, rtol=0)
     with torch.no_grad():
         stock, _ = kept_rows(model(**batch.kwargs()).logits, result, batch)
     assert (stock[real] - logits[real]).abs().max() > 1e-6, "the stock model must differ"

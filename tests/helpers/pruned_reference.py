@@ -46,6 +46,8 @@ def _cache(kwargs: dict) -> Any:
 
 
 def _decoder(model: nn.Module) -> nn.Module:
+    if not hasattr(model, "model"):  # Llama 4: the multimodal model itself holds the causal LM
+        return model.language_model.model
     inner = model.model
     return inner.language_model if hasattr(inner, "language_model") else inner.text_model
 

@@ -9,6 +9,7 @@ from priortr.adapters.gemma3 import Gemma3Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
+from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
@@ -73,6 +74,7 @@ register_adapter(Mistral3Adapter())
 register_adapter(Glm4vAdapter())
 register_adapter(Qwen3_5Adapter())
 register_adapter(Gemma3Adapter())
+register_adapter(Llama4Adapter())
 
 __all__ = [
     "FamilyAdapter",

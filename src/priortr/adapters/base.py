@@ -180,6 +180,17 @@ class FamilyAdapter:
         cos, sin = rope
         return cos, -sin
 
+    def scales_queries(self, attention: nn.Module) -> bool:
+        """Whether ``attention`` multiplies its queries by a factor of each query's index in the sequence
+        (Llama 4's attention temperature), which ``query_scales`` gives."""
+        return False
+
+    def query_scales(self, attention: nn.Module, index: torch.Tensor) -> torch.Tensor:
+        """The factors [B, S, 1] by which ``attention`` multiplies the queries at sequence index ``index``
+        [B, S] (the unpruned prompt's columns, then one per later token), for layers that
+        ``scales_queries``."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} adapter scales no queries")
+
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

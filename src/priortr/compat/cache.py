@@ -282,6 +282,32 @@ def byte_size(cache: Any) -> int:
     )
 
 
+class ShiftedLength:
+    """``cache`` as seen by a layer that derives its tokens' places in the sequence from the cache's length
+    (Llama 4's attention temperature reads ``get_seq_length(layer_idx)``): its length counts ``shift`` more
+    tokens, the prompt's pruned ones, so that the places are the unpruned prompt's; everything else
+    (``update``, the masks' sizes) is the cache's own."""
+
+    def __init__(self, cache: Any, shift: int) -> None:
+        self._cache = cache
+        self._shift = shift
+
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        return self._cache.get_seq_length(layer_idx) + self._shift
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+def with_cache(kwargs: dict, view: Callable[[Any], Any]) -> dict:
+    """A layer call's keyword arguments with its cache (under whichever name it came) replaced by
+    ``view(cache)``; unchanged where the call has none."""
+    for name in CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            return {**kwargs, name: view(kwargs[name])}
+    return kwargs
+
+
 def of_output(output: Any) -> Any:
     """The cache a model returned (``output.cache`` from 5.24, ``output.past_key_values`` before)."""
     return next((output[name] for name in CACHE_NAMES if name in output), None)

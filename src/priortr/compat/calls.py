@@ -213,13 +213,32 @@ class LayerCall:
         return self.args, self.kwargs
 
 
-def join_outputs(first: ModelOutput, second: ModelOutput, keep_cache: bool) -> ModelOutput:
+SEQUENCE_OUTPUTS = ("last_hidden_state", "logits")
+"""Outputs with one entry per token: a multimodal model's hidden states, or the logits of one that is its
+own causal LM (Llama 4)."""
+
+
+def join_outputs(
+    first: ModelOutput, second: ModelOutput, keep_cache: bool, logits_to_keep: Any = 0
+) -> ModelOutput:
     """``first``, a multimodal model's output, extended by ``second``, the output of the call that
-    continued its cache: the hidden states of both, one after the other, and the cache (None when the
-    caller asked for none)."""
+    continued its cache: the hidden states (or logits) of both, one after the other, of which the last
+    ``logits_to_keep`` logits when the call asked for them (0: all), and the cache (None when the caller
+    asked for none)."""
     if not isinstance(first, ModelOutput) or not isinstance(second, ModelOutput):
         refuse(f"the multimodal model returned a {type(first).__name__}, not a ModelOutput")
-    first["last_hidden_state"] = torch.cat([first.last_hidden_state, second.last_hidden_state], dim=1)
+    for name in SEQUENCE_OUTPUTS:
+        if first.get(name) is None:
+            continue
+        joined = torch.cat([first[name], second[name]], dim=1)
+        if name == "logits" and logits_to_keep:
+            if not isinstance(logits_to_keep, int):
+                raise ValueError(
+                    "logits_to_keep as indices on a call that carries a continuation after its prompt: the "
+                    "prompt's logits are of its kept tokens only; pass an int"
+                )
+            joined = joined[:, -logits_to_keep:]
+        first[name] = joined
     if not keep_cache:
         for name in CACHE_NAMES:
             if name in first:

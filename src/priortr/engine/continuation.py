@@ -35,7 +35,8 @@ class Continuation:
     def run(self, module: nn.Module, prompt_output: Any) -> Any:
         """Run the continuation on the cache the prompt's prefill filled; the two outputs joined."""
         output = module(**self.call.arguments)
-        return compat.calls.join_outputs(prompt_output, output, self.keep_cache)
+        keep = self.call.arguments.get("logits_to_keep", 0)
+        return compat.calls.join_outputs(prompt_output, output, self.keep_cache, keep)
 
 
 def split_call(call: ModelCall, end: int, model: nn.Module) -> tuple[ModelCall, Continuation]:

@@ -246,10 +246,10 @@ def _text_after(plan: PrefillPlan, group: Group, device: torch.device) -> torch.
 
 def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
     """The keys each recomputed row ``rows`` [B, R] sees: causal, valid, and in the layer's ``window``
-    (counted in the prompt's own text positions)."""
+    (counted in the prompt's own positions, from each row's first real token)."""
     if window is None:
         return RowSpec(rows, sequence.key_valid())
-    positions = plan.text_positions
+    positions = plan.window_positions
     if sequence.positions is not None:
         positions = positions.gather(1, sequence.positions)
     return RowSpec(rows, sequence.key_valid(), window.visible, positions)
@@ -266,9 +266,21 @@ def attention_at_layer(sources: Sources) -> torch.Tensor:
         2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
     )
     picked = adapter.rotate(module, picked, adapter.gather_rope(rope, rows))  # [B, H, R, d]
+    picked = _placed(adapter, module, picked, plan.rows)
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
     spec = row_spec(plan, sequence, rows, sources.window)
     return attention_rows(picked, keys, spec, adapter.scaling(module))
+
+
+def _placed(
+    adapter: FamilyAdapter, module: torch.nn.Module, queries: torch.Tensor, places: torch.Tensor
+) -> torch.Tensor:
+    """Queries [B, H, R, d] times the factor ``module`` scales them by at their places ``places`` [B, R] in
+    the prompt (``adapter.scales_queries``: Llama 4's attention temperature); as they are otherwise."""
+    if not adapter.scales_queries(module):
+        return queries
+    factors = adapter.query_scales(module, places.to(queries.device))  # [B, R, 1]
+    return (queries * factors[:, None]).to(queries.dtype)
 
 
 def next_layer_attention(sources: Sources) -> torch.Tensor:
@@ -291,6 +303,7 @@ def next_layer_attention(sources: Sources) -> torch.Tensor:
         module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
     )
     queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
+    queries = _placed(adapter, module, queries, plan.rows)
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
     spec = row_spec(plan, sequence, rows, sources.next_window)
     return attention_rows(queries, keys, spec, adapter.scaling(module))

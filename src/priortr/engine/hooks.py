@@ -55,6 +55,11 @@ class PruningEngine:
         self.windows = compat.layers.windows(model.config.get_text_config())
         self.vision = adapter.vision_probe(model) if config.method.needs & VISION_NEEDS else None
         self.calls, self.layer_calls = compat.calls.resolve(self.multimodal, self.layers)
+        self.scaled_queries = {  # layer index -> attention that scales its queries by their places
+            index: adapter.attention(self.layers[index])
+            for index in sorted(self.attention_layers)
+            if adapter.scales_queries(adapter.attention(self.layers[index]))
+        }
         self.explicit_mask = compat.masks.explicit_mask_builder(compat.masks.implementation(model))
         self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
@@ -89,6 +94,10 @@ class PruningEngine:
         if "_loss_function" not in vars(self.model) and hasattr(type(self.model), "loss_function"):
             self._loss = self.model.loss_function  # called only with labels=: never on a decode step
             self.model.loss_function = self._loss_on_pruned_logits
+        self._permanent += [
+            attention.register_forward_pre_hook(_places_in_prompt, with_kwargs=True)
+            for attention in self.scaled_queries.values()
+        ]
         if self.vision is not None:
             self._permanent += vision_hooks(self.vision, self.config.method.needs, self._on_vision_output)
         if "generate" not in vars(self.model) and hasattr(self.model, "generate"):
@@ -238,6 +247,10 @@ class PruningEngine:
                         _keep_output(prefill.keep_keys, thread)
                     ),
                 ]
+        for index, attention in self.scaled_queries.items():
+            if index > stages[0]:
+                projection = self.adapter.query_projection(attention)
+                armed.append(projection.register_forward_hook(_rescale(prefill, attention, thread)))
         returned = self._on_model_return(prefill, thread, continuation)
         armed.append(self.multimodal.register_forward_hook(returned, always_call=True))
         return armed
@@ -321,6 +334,30 @@ def _keep_output(keep: Callable[[torch.Tensor], None], thread: int) -> Callable:
             keep(output)
 
     return hook
+
+
+def _rescale(prefill: Prefill, attention: nn.Module, thread: int) -> Callable:
+    """Forward hook on the query projection of a layer after a stage that scales its queries by their
+    places in the sequence: the places of the kept tokens in the prompt (``Prefill.rescale_queries``)."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if threading.get_ident() != thread:
+            return None
+        return prefill.rescale_queries(attention, output)
+
+    return hook
+
+
+def _places_in_prompt(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Permanent pre-hook of an attention that scales its queries by their places in the sequence, read
+    from its cache's length: on a pruned cache (decode steps, later turns) that length counts the prompt's
+    pruned tokens too, so the places are the unpruned conversation's. Host work only (no sync)."""
+
+    def view(cache: Any) -> Any:
+        ledger = ledger_of(cache)
+        return cache if ledger is None else compat.cache.ShiftedLength(cache, ledger.dropped)
+
+    return args, compat.cache.with_cache(kwargs, view)
 
 
 def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerContract) -> Callable:

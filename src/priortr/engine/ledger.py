@@ -42,8 +42,9 @@ class CacheLedger:
             first S' columns of every later 2D mask.
         filler: [B, S'] bool, True at cached fillers (ragged batches), or None.
         next_position: [B] the text position of the token after the prompt.
-        kept_positions: [B, S'] the text positions of the cached prompt tokens (local attention windows
-            count them, not cache slots).
+        kept_positions: [B, S'] the positions local attention windows count for the cached prompt tokens
+            (not cache slots): text positions from each row's first real token (``PrefillPlan``).
+        window_next: [B] the same count for the token after the prompt.
         masked: whether any cached prompt slot is masked (left padding or fillers).
     """
 
@@ -53,6 +54,7 @@ class CacheLedger:
     filler: torch.Tensor | None
     next_position: torch.Tensor
     kept_positions: torch.Tensor
+    window_next: torch.Tensor
     masked: bool
 
     @property
@@ -77,7 +79,8 @@ def ledger_for(plan: PrefillPlan, sequence: SequenceMap) -> CacheLedger:
         prompt_mask=sequence.key_valid().long(),
         filler=sequence.filler,
         next_position=plan.next_position,
-        kept_positions=plan.text_positions.gather(1, sequence.positions),
+        kept_positions=plan.window_positions.gather(1, sequence.positions),
+        window_next=plan.window_next,
         masked=plan.padded or sequence.filler is not None,
     )
 
@@ -132,7 +135,7 @@ def continue_call(
         if not (isinstance(padding, torch.Tensor) and padding.ndim == 2):
             padding = _padding(ledger, new, cache, cached) if ledger.masked else None
         positions = compat.masks.WindowPositions(
-            ledger.kept_positions, ledger.next_position, ledger.kept_length
+            ledger.kept_positions, ledger.window_next, ledger.kept_length
         )
         call.attention_mask = compat.masks.windowed(
             text_config, cache, padding, positions, new, model.dtype, call.attention_mask

@@ -47,7 +47,10 @@ class PrefillPlan:
 
     ``text_positions`` [B, S] are the prompt's text positions as the model numbers them (from the
     position ids the call passed, else ``0 .. S-1``), ``next_position`` [B] the one after the prompt;
-    ``padded`` says whether any row is left-padded.
+    ``padded`` says whether any row is left-padded. ``window_start`` [B] (models with local windows) is the
+    text position of each row's first real token: local windows count positions from it (transformers'
+    chunked masks count a row's chunks from its first real token; a sliding window sees the same
+    differences either way).
 
     ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
     tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
@@ -66,6 +69,21 @@ class PrefillPlan:
     padded: bool
     rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
+    window_start: torch.Tensor | None = None
+
+    @property
+    def window_positions(self) -> torch.Tensor:
+        """[B, S] the positions local windows count: text positions from each row's first real token."""
+        if self.window_start is None:
+            return self.text_positions
+        return self.text_positions - self.window_start[:, None]
+
+    @property
+    def window_next(self) -> torch.Tensor:
+        """[B] the position local windows count for the token after the prompt."""
+        if self.window_start is None:
+            return self.next_position
+        return self.next_position - self.window_start
 
 
 def make_plan(
@@ -104,6 +122,8 @@ def make_plan(
         padded=host.padded,
         pool_rows=host.pool_rows,
     )
+    if any(compat.layers.windows(model.config.get_text_config())):
+        plan.window_start = text_positions.gather(1, valid.int().argmax(dim=1, keepdim=True))[:, 0]
     if host.rows is not None:
         plan.rows = to_device(host.rows, device)
     return plan

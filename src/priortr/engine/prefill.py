@@ -181,6 +181,20 @@ class Prefill:
         self._layer_inputs.clear()
         return hidden
 
+    def rescale_queries(self, attention: torch.nn.Module, queries: torch.Tensor) -> torch.Tensor | None:
+        """The query projection's output [B, S', H * d] of a layer that scales its queries by each one's
+        place in the sequence it runs on (``adapter.scales_queries``), rescaled so that the layer's own
+        factor for kept token i (its place among the kept tokens) becomes the factor of its place in the
+        prompt, as in the unpruned model; None (unchanged) before the first cut and for the engine's own
+        projection of a few rows (PyramidDrop's next-layer evidence, placed by ``evidence``)."""
+        positions = self.sequence.positions
+        if positions is None or queries.shape[1] != positions.shape[1]:
+            return None
+        counted = torch.arange(positions.shape[1], device=positions.device)[None]
+        scales = self.adapter.query_scales
+        ratio = scales(attention, positions) / scales(attention, counted)
+        return (queries * ratio.to(queries.device)).to(queries.dtype)
+
     def _window(self, layer: int) -> compat.layers.Window | None:
         return None if self.windows is None else self.windows[layer]
 
@@ -202,7 +216,7 @@ class Prefill:
             gathered_rope = self.adapter.gather_rope(rope, positions)
             explicit = self.explicit_mask if attention else compat.masks.padding_mask
             gathered_mask = compat.masks.for_kept_layer(
-                mask, positions, self.plan.seq, keys, filler, explicit, rope[0].dtype
+                mask, positions, self.plan.seq, keys, filler, explicit, call.hidden.dtype
             )
             self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)  # originals keep ids unique
         _, _, call.rope, call.mask = self._layer_inputs[key]

@@ -15,6 +15,7 @@ from priortr.adapters import (
     Glm4vAdapter,
     Idefics3Adapter,
     InternVLAdapter,
+    Llama4Adapter,
     LlavaAdapter,
     LlavaNextAdapter,
     Mistral3Adapter,
@@ -333,6 +334,25 @@ def _gemma3_inputs(
     }
 
 
+def _llama4_inputs(
+    adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
+) -> dict:
+    """One image of 2 x 2 tiles and its global view per row (``Llama4Processor`` on a 672 px square
+    image with Scout's 336 px tiles: 5 x 144 = 720 visual tokens), with stand-in ids for the tile
+    separators and ``<|image|>`` just below the others."""
+    vision = config.vision_config
+    n_tile = int((vision.image_size // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2)
+    patch, start, end = config.image_token_id, config.boi_token_index, config.eoi_token_index
+    tile_x, tile_y, whole = (min(patch, start, end) - k for k in (1, 2, 3))
+    tiles = [patch] * n_tile
+    row = [*tiles, tile_x, *tiles, tile_y]
+    image = torch.tensor([start, *row, *row, whole, *tiles, end])
+    text = torch.randint(100, whole, (batch, text_tokens), generator=generator)
+    ids = torch.cat([text[:, :3], image.expand(batch, -1), text[:, 3:]], dim=1)
+    pixels = torch.randn(batch * 5, 3, vision.image_size, vision.image_size, generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
+
+
 GRIDS = {LlavaAdapter: _clip_grid, QwenVLAdapter: _qwen_grid, Mistral3Adapter: _pixtral_grid}
 VIEWS = {LlavaAdapter: _clip_view, QwenVLAdapter: _whole_image, Mistral3Adapter: _whole_image}
 INPUTS = {
@@ -344,4 +364,5 @@ INPUTS = {
     LlavaNextAdapter: _anyres_inputs,
     Idefics3Adapter: _idefics3_inputs,
     Gemma3Adapter: _gemma3_inputs,
+    Llama4Adapter: _llama4_inputs,
 }
