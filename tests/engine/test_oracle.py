@@ -19,7 +19,14 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.helpers.oracle import masked_reference
-from tests.helpers.tiny import Batch, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl
+from tests.helpers.tiny import (
+    Batch,
+    language_model_inputs,
+    llava_batch,
+    qwen_batch,
+    tiny_llava,
+    tiny_qwen2_5_vl,
+)
 
 ATOL = 1e-10
 BUILDERS: dict[str, tuple[Callable[..., PreTrainedModel], Callable[..., Batch]]] = {
@@ -136,14 +143,7 @@ def test_untouched_positions(name: str) -> None:
 def _lm_inputs(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged ``inputs_embeds`` [B, S, D] and position ids ([B, S] or Qwen's [3, B, S]) that the
     stock model feeds its language model for ``batch``."""
-    seen: dict[str, Any] = {}
-    lm = model.model.language_model
-    handle = lm.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch.kwargs())
-    finally:
-        handle.remove()
+    seen = language_model_inputs(model, batch)
     pos = seen["position_ids"]
     if pos is None:  # LLaVA's plain forward: the text model uses arange(S), padding included
         pos = torch.arange(batch.seq_len).expand(batch.batch_size, -1)

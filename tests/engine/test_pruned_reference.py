@@ -20,7 +20,7 @@ import torch
 from tests.helpers.families import setup
 from tests.helpers.oracle import masked_reference
 from tests.helpers.pruned_reference import pruned_reference
-from tests.helpers.tiny import Batch
+from tests.helpers.tiny import Batch, language_model_inputs
 from tests.helpers.tiny_gemma3 import gemma3_batch, tiny_gemma3
 from tests.helpers.tiny_qwen3_5 import FULL_ATTENTION_LAYERS, LAYER_TYPES
 
@@ -101,19 +101,6 @@ def test_equals_the_masked_reference_on_full_attention(family):
     torch.testing.assert_close(torch.stack(ref.logits), torch.stack(expected.logits), atol=ATOL, rtol=0)
 
 
-def _lm_inputs(model, batch: Batch) -> dict[str, Any]:
-    """What the stock multimodal model hands its language model for ``batch`` (embeddings, positions)."""
-    seen: dict[str, Any] = {}
-    lm = model.model.language_model
-    handle = lm.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch.kwargs())
-    finally:
-        handle.remove()
-    return seen
-
-
 def _kept_index(pruned: torch.BoolTensor) -> torch.LongTensor:
     batch, seq = pruned.shape
     return torch.arange(seq).expand(batch, -1)[~pruned].view(batch, -1)
@@ -124,7 +111,7 @@ def test_hybrid_prune_before_layer0_equals_removal():
     only, as if the pruned ones were never in the prompt (kept tokens keep their M-RoPE positions)."""
     model, batch = setup("qwen3.5", 2)
     pruned = _prune_thirds(batch)
-    seen = _lm_inputs(model, batch)
+    seen = language_model_inputs(model, batch)
     index = _kept_index(pruned)
     embeds = seen["inputs_embeds"].gather(1, index[..., None].expand(-1, -1, seen["inputs_embeds"].shape[-1]))
     positions = seen["position_ids"]  # [4, B, S]
@@ -147,7 +134,7 @@ def test_sliding_window_counts_original_positions():
     batch = gemma3_batch(model, 2)
     window = model.config.text_config.sliding_window
     pruned = _prune_thirds(batch)
-    seen = _lm_inputs(model, batch)
+    seen = language_model_inputs(model, batch)
     index = _kept_index(pruned)  # [B, K]
     embeds = seen["inputs_embeds"].gather(1, index[..., None].expand(-1, -1, seen["inputs_embeds"].shape[-1]))
     positions = seen["position_ids"]
@@ -183,7 +170,7 @@ def test_hybrid_prune_after_last_layer_equals_cache_removal():
     model, batch = setup("qwen3.5", 2)
     pruned = _prune_thirds(batch)
     last = len(LAYER_TYPES) - 1
-    seen = _lm_inputs(model, batch)
+    seen = language_model_inputs(model, batch)
     lm = model.model.language_model
     embeds, positions, mask = seen["inputs_embeds"], seen["position_ids"], batch.attention_mask
     new_positions = positions[..., -1:] + 1

@@ -20,7 +20,7 @@ from priortr.adapters.llama4 import Llama4Adapter
 from priortr.engine import hooks
 from tests.families.test_local_and_linear_attention import _attention_weights, _separator_and_rows
 from tests.helpers.families import skip_unless_stock_runs_static
-from tests.helpers.pruned import kept_rows, logits_atol, pruned_columns, reference_for
+from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for
 from tests.helpers.tiny_llama4 import (
     LLAMA4_END_ID,
     LLAMA4_GLOBAL_ID,
@@ -76,29 +76,17 @@ def test_a_prompt_off_the_layout_is_refused(model):
         Llama4Adapter().visual_items(model.config, unopened)
 
 
-def _generate(model, batch, cache: str):
-    return model.generate(
-        **batch.kwargs(),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        cache_implementation=cache,
-    )
-
-
 def _pruned_and_reference(model, batch, cache: str) -> tuple:
     """(pruned prefill logits, pruned generate, reference logits, reference generate, real rows)."""
     with priortr.apply(model, budget=5, layer=1) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits
         result = handle.last
-        out = _generate(model, batch, cache)
+        out = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     assert torch.equal(handle.last.kept, result.kept)
     pruned = pruned_columns(batch, result.kept)
     with reference_for(model, [(1, pruned)], batch.attention_mask), torch.no_grad():
         reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
-        expected = _generate(model, batch, cache)
+        expected = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     return logits, out, reference, expected, real
 
 

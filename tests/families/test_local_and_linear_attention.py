@@ -17,7 +17,7 @@ import priortr
 from priortr import compat
 from priortr.tools import overhead
 from tests.helpers.families import FAMILIES, skip_unless_stock_runs_static
-from tests.helpers.pruned import kept_rows, logits_atol, pruned_columns, reference_for
+from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for
 from tests.helpers.tiny import Batch
 from tests.helpers.tiny_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
 from tests.helpers.tiny_gemma3 import gemma3_batch, tiny_gemma3
@@ -111,18 +111,6 @@ def test_a_linear_attention_layer_is_refused_naming_the_nearest_attention_layer(
     priortr.apply(model, method="random", budget=4, layer=1).remove()
 
 
-def _generate(model, batch: Batch, cache: str) -> object:
-    return model.generate(
-        **batch.kwargs(),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        cache_implementation=cache,
-    )
-
-
 MODELS = {
     "qwen3.5": (tiny_qwen3_5, qwen3_vl_batch),
     "gemma3": (tiny_gemma3, gemma3_batch),
@@ -146,18 +134,18 @@ def test_decoding_across_the_window_edge_matches_the_reference(name, cache):
     with priortr.apply(model, budget=5, layer=1) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits
         result = handle.last
-        out = _generate(model, batch, cache)
+        out = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     assert torch.equal(handle.last.kept, result.kept)  # the generate() prefill ranks as the forward did
     pruned = pruned_columns(batch, result.kept)
     with reference_for(model, [(1, pruned)], batch.attention_mask), torch.no_grad():
         reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
-        expected = _generate(model, batch, cache)
+        expected = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     atol = logits_atol(model)
     torch.testing.assert_close(logits[real], reference[real], atol=atol, rtol=0)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=atol, rtol=0)
     with torch.no_grad():
-        stock = _generate(model, batch, cache)
+        stock = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     assert (torch.stack(stock.logits) - torch.stack(out.logits)).abs().max() > 1e-6
 
 

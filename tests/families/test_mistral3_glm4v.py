@@ -13,6 +13,7 @@ import priortr
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.tools import families
+from tests.helpers.tiny import language_model_inputs
 from tests.helpers.tiny_glm4v import (
     GLM_IMAGE_END_ID,
     glm4v_batch,
@@ -32,14 +33,7 @@ from tests.helpers.tiny_mistral3 import (
 
 def _features_scattered_at(model, batch) -> torch.Tensor:
     """[B, S] True where the stock model wrote image features into the input embeddings."""
-    seen: dict = {}
-    lm = model.model.language_model
-    handle = lm.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch.kwargs())
-    finally:
-        handle.remove()
+    seen = language_model_inputs(model, batch)
     text = model.get_input_embeddings()(batch.input_ids)
     return (seen["inputs_embeds"] - text).abs().amax(-1) > 0
 

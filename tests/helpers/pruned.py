@@ -102,12 +102,13 @@ def assert_matches_reference(model, batch, result, logits, out) -> None:
     assert (stock[real] - logits[real]).abs().max() > 1e-6, "the stock model must differ"
 
 
-def generate(model, batch: Batch, **options: Any):
+def generate(model, batch: Batch, new_tokens: int = NEW_TOKENS, **options: Any):
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens, with its logits."""
     return model.generate(
         **batch.kwargs(),
         **options,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,

@@ -377,3 +377,17 @@ def qwen_video_batch(
 def qwen_batch_12(model, batch_size: int) -> Batch:
     """``qwen_batch`` with a 6x8 patch grid: 12 visual tokens per row."""
     return qwen_batch(model, batch_size=batch_size, grid=(1, 6, 8))
+
+
+def language_model_inputs(model, batch: Batch) -> dict[str, Any]:
+    """The keyword arguments the stock multimodal ``model`` hands its language model for ``batch``
+    (merged ``inputs_embeds``, ``position_ids``, ...), read by a pre-hook on one plain forward."""
+    seen: dict[str, Any] = {}
+    lm = model.model.language_model
+    handle = lm.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**batch.kwargs())
+    finally:
+        handle.remove()
+    return seen
