@@ -205,7 +205,7 @@ def test_a_decode_step_reads_nothing_back(family, cache):
     assert decode.ops - vanilla.ops <= (30 if local else 2) + placed, decode.names - vanilla.names
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "llama4", "mistral3", "glm4v"])
 def test_compiled_decode_makes_the_graphs_vanilla_makes(family):
     model = FAMILIES[family][0](dtype=torch.float32)
     skip_unless_stock_runs_static(model)  # compiled decoding runs on a static cache
