@@ -265,11 +265,27 @@ def attention_at_layer(sources: Sources) -> torch.Tensor:
     picked = queries.gather(
         2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
     )
-    picked = adapter.rotate(module, picked, adapter.gather_rope(rope, rows))  # [B, H, R, d]
-    picked = _placed(adapter, module, picked, plan.rows)
+    return _rows_attention(sources, module, picked, keys, rope, rows, sources.window)
+
+
+def _rows_attention(
+    sources: Sources,
+    module: torch.nn.Module,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rope: Any,
+    rows: torch.Tensor,
+    window: Window | None,
+) -> torch.Tensor:
+    """Attention [B, H, R, S'] of the recomputed rows' queries [B, H, R, d] (at columns ``rows`` [B, R])
+    over ``keys`` [B, Hkv, S', d], both before RoPE, as attention ``module`` computes it: RoPE ``rope`` of
+    the current columns, its query temperature at the rows' places in the prompt, its local ``window``."""
+    adapter, plan = sources.adapter, sources.plan
+    queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
+    queries = _placed(adapter, module, queries, plan.rows)
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
-    spec = row_spec(plan, sequence, rows, sources.window)
-    return attention_rows(picked, keys, spec, adapter.scaling(module))
+    spec = row_spec(plan, sources.sequence, rows, window)
+    return attention_rows(queries, keys, spec, adapter.scaling(module))
 
 
 def _placed(
@@ -302,11 +318,7 @@ def next_layer_attention(sources: Sources) -> torch.Tensor:
     queries, keys = adapter.queries_and_keys(
         module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
     )
-    queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
-    queries = _placed(adapter, module, queries, plan.rows)
-    keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
-    spec = row_spec(plan, sequence, rows, sources.next_window)
-    return attention_rows(queries, keys, spec, adapter.scaling(module))
+    return _rows_attention(sources, module, queries, keys, rope, rows, sources.next_window)
 
 
 def group_attention(
