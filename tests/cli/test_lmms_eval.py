@@ -6,6 +6,7 @@ asserted, only that every request type runs, the results are complete and the pr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -314,3 +315,17 @@ def test_device_map_is_refused_under_data_parallel(checkpoint: Path, monkeypatch
         ValueError, match=r"device_map=auto .* cannot be combined with 2 data-parallel processes"
     ):
         PriorTRLMMs(pretrained=str(checkpoint), device_map="auto")
+
+
+def test_a_filelock_without_its_api_module_is_refused_before_loading(checkpoint: Path, monkeypatch) -> None:
+    """filelock 4.3 removed ``filelock._api``, which lmms-eval 0.7's evaluator imports after building the
+    model: the plug-in refuses such a filelock first, naming the fix (the installed one has it: the same
+    construction goes past the check and fails only on the misspelt argument)."""
+    with pytest.raises(TypeError, match="unknown model_args"):
+        PriorTRLMMs(pretrained=str(checkpoint), budgt=4)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "filelock._api" else real(name, *a)
+    )
+    with pytest.raises(RuntimeError, match=r"filelock\._api.*pip install 'filelock<4\.3'"):
+        PriorTRLMMs(pretrained=str(checkpoint), budgt=4)

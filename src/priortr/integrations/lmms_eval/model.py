@@ -43,11 +43,14 @@ Placement follows lmms-eval's distributed model contract (as its ``llava_hf`` mo
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from typing import Any
 
 import torch
+from lmms_eval import evaluator as lmms_evaluator
 from lmms_eval import utils as lmms_utils
 from lmms_eval.api.instance import GenerationResult, Instance
 from lmms_eval.api.model import lmms
@@ -72,6 +75,20 @@ PADDING_KEY = "__padding_only__"
 def is_padding(request: Instance) -> bool:
     """Whether lmms-eval added ``request`` only to even out the processes' shards (its answer is dropped)."""
     return bool((request.metadata or {}).get(PADDING_KEY))
+
+
+def _check_filelock() -> None:
+    """Refuse, before any model is loaded, a filelock that lmms-eval's evaluator cannot start with: lmms-eval
+    0.7 imports ``filelock._api`` right after it builds the model (``_enable_reentrant_filelocks``), and
+    filelock 4.3 removed that module. ``priortr[eval]`` pins ``filelock<4.3``; lmms-eval installed on its
+    own does not."""
+    imports_api = hasattr(lmms_evaluator, "_enable_reentrant_filelocks")
+    if imports_api and importlib.util.find_spec("filelock._api") is None:
+        raise RuntimeError(
+            f"priortr: lmms-eval {version('lmms_eval')} imports filelock._api when an evaluation starts, and "
+            f"filelock {version('filelock')} has no such module; install filelock<4.3 "
+            "(pip install 'filelock<4.3', or pip install 'priortr[eval]')"
+        )
 
 
 def _check_model_args(extra: dict[str, Any], batch_size: int | str, dtype: str) -> None:
@@ -138,6 +155,7 @@ class PriorTRLMMs(lmms):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        _check_filelock()
         _check_model_args(kwargs, batch_size, dtype)
         self.batch_size = int(batch_size)  # the CLI passes --batch_size as a string
         place = placement(device, device_map)
