@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -10,11 +11,11 @@ from typing import Any
 
 from torch import nn
 
+from priortr import config_file
 from priortr.adapters import adapter_for
 from priortr.engine.config import PruningConfig, is_int
 from priortr.engine.hooks import PruningEngine
 from priortr.engine.result import PruneResult
-from priortr.tools import config_file
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -132,12 +133,12 @@ def apply(
             together under one budget; ``priortr.engine.pools``).
         strict: raise instead of warning when a prompt has nothing to prune.
         seed: seed of random choices (the ``random`` rule, K-means initialisation).
-        config: a config file (``priortr.tools.config_file``, written by ``priortr calibrate``) whose keywords
+        config: a config file (``priortr.config_file``, written by ``priortr calibrate``) whose keywords
             replace the defaults above; a keyword passed here and set differently in the file is refused.
     """
     settings = {name: value for name, value in locals().items() if name not in ("model", "config")}
     if config is not None:
-        return apply(model, **config_file.merge(config, settings))
+        return apply(model, **config_file.merge(config, settings, apply_defaults()))
     adapter = adapter_for(model)
     try:
         n_layers = len(adapter.decoder_layers(model))
@@ -159,6 +160,16 @@ def apply(
     handle = PruningHandle(engine)
     _ATTACHED[model] = handle
     return handle
+
+
+def apply_defaults() -> dict[str, Any]:
+    """``apply``'s pruning keywords and their defaults (the model and ``config`` excluded): what a config
+    file (``priortr.config_file``) may set."""
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(apply).parameters.items()
+        if parameter.default is not inspect.Parameter.empty and name != "config"
+    }
 
 
 def detach(model: nn.Module) -> bool:

@@ -19,9 +19,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import priortr
+from priortr.api import apply_defaults
 from priortr.cli import main
+from priortr.config_file import read_config, write_config
 from priortr.tools import calibrate, calibration_report
-from priortr.tools.config_file import read_config, write_config
 from priortr.tools.flops import scheduled_prefill_flops
 from priortr.tools.prompts import prompt_text
 from tests.helpers.tiny import LLAVA_N_VISUAL
@@ -155,7 +156,7 @@ def test_cli_writes_results_and_a_config_that_round_trips(
     assert len(document["measurements"]) == 4 and document["target"] == 0.95
     assert any(m["pareto"] for m in document["measurements"])
     config = out / "recommended.json"
-    stored = read_config(config)
+    stored = read_config(config, apply_defaults())
     assert set(stored) == {"method", "budget", "layer"} and stored["layer"] == 1
     assert json.loads(config.read_text())["calibration"]["agreement"] >= 0.95
 
@@ -171,7 +172,12 @@ def test_cli_writes_results_and_a_config_that_round_trips(
 
 def test_apply_reads_a_config_through_its_own_validation(loaded, tmp_path: Path) -> None:
     model, _ = loaded
-    path = write_config(tmp_path / "c.json", {"method": "fastv", "budget": 4, "layer": 1}, {"agreement": 1.0})
+    path = write_config(
+        tmp_path / "c.json",
+        {"method": "fastv", "budget": 4, "layer": 1},
+        apply_defaults(),
+        {"agreement": 1.0},
+    )
     with priortr.apply(model, config=path) as handle:
         from_file = handle.config
     with priortr.apply(model, method="fastv", budget=4, layer=1) as handle:
@@ -181,7 +187,7 @@ def test_apply_reads_a_config_through_its_own_validation(loaded, tmp_path: Path)
         assert handle.config.strict and handle.config.budget == 4
     with pytest.raises(ValueError, match="budget=8 was passed and config"):
         priortr.apply(model, budget=8, config=path)
-    bad = write_config(tmp_path / "bad.json", {"method": "fastv", "budget": 4, "layer": 9})
+    bad = write_config(tmp_path / "bad.json", {"method": "fastv", "budget": 4, "layer": 9}, apply_defaults())
     with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\]"):
         priortr.apply(model, config=bad)
     (tmp_path / "unknown.json").write_text('{"method": "fastv", "budjet": 4}')
@@ -198,7 +204,7 @@ def test_plugin_reads_a_config(checkpoint: Path, tmp_path: Path) -> None:
     pytest.importorskip("lmms_eval")
     from priortr.integrations.lmms_eval.model import PriorTRLMMs
 
-    path = write_config(tmp_path / "c.json", {"method": "fastv", "budget": 4, "layer": 1})
+    path = write_config(tmp_path / "c.json", {"method": "fastv", "budget": 4, "layer": 1}, apply_defaults())
     lm = PriorTRLMMs(pretrained=str(checkpoint), config=str(path), device="cpu", dtype="float64")
     assert (lm.handle.config.method.name, lm.handle.config.budget, lm.handle.config.layer) == ("fastv", 4, 1)
     assert lm.budget == 4
@@ -210,7 +216,9 @@ def test_plugin_reads_a_config(checkpoint: Path, tmp_path: Path) -> None:
 def test_commands_with_a_grid_refuse_a_config_they_cannot_honour(
     checkpoint: Path, tmp_path: Path, capsys
 ) -> None:
-    path = write_config(tmp_path / "c.json", {"method": "priortr", "budget": 4, "layer": 1, "heads": "max"})
+    path = write_config(
+        tmp_path / "c.json", {"method": "priortr", "budget": 4, "layer": 1, "heads": "max"}, apply_defaults()
+    )
     assert main(["flops", "--model", str(checkpoint), "--config", str(path)]) == 2
     assert "also sets heads" in capsys.readouterr().err
 
@@ -270,7 +278,7 @@ def test_demo_compares_methods_on_held_out_scenes(loaded) -> None:
 def test_the_shipped_testbed_setting_is_a_valid_config(loaded) -> None:
     from priortr.testbed import demo
 
-    stored = read_config(demo.CALIBRATED)
+    stored = read_config(demo.CALIBRATED, apply_defaults())
     assert demo.setting() == {"layer": stored["layer"], "budget": stored["budget"]}
     assert demo.setting(layer=2, budget=32) == {"layer": 2, "budget": 32}
     metadata = json.loads(demo.CALIBRATED.read_text())["calibration"]
@@ -282,7 +290,7 @@ def test_a_config_that_sets_options_works_on_the_command_line(
 ) -> None:
     """Before: the CLI passed options={} of its own, which apply() refused as a conflict with the file."""
     setting = {"method": "priortr+merge", "budget": 4, "layer": 1, "options": {"adaptive": True}}
-    path = write_config(tmp_path / "merge.json", setting)
+    path = write_config(tmp_path / "merge.json", setting, apply_defaults())
     base = ["generate", "--model", str(checkpoint), "--image", str(folder / "img0.png")]
     base += ["--prompt", PROMPTS[0], "--max-new-tokens", "2"]
     assert main([*base, "--config", str(path)]) == 0
@@ -306,7 +314,7 @@ def test_a_config_that_sets_options_works_on_the_command_line(
 )
 def test_bench_takes_a_config_with_or_without_options(checkpoint: Path, tmp_path: Path, setting) -> None:
     """Before: a config without options stopped bench with an AttributeError traceback."""
-    path = write_config(tmp_path / "c.json", setting)
+    path = write_config(tmp_path / "c.json", setting, apply_defaults())
     argv = ["bench", "--model", str(checkpoint), "--config", str(path), "--batch-sizes", "1", "--warmup", "0"]
     argv += ["--repeats", "1", "--decode-repeats", "1", "--new-tokens", "1", "--text-tokens", "6"]
     assert main([*argv, "--device", "cpu", "--out", str(tmp_path / "bench"), "--json"]) == 0

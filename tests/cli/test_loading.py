@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from priortr.config_file import parse_budget
 from priortr.tools import loading
-from priortr.tools.config_file import parse_budget
 from priortr.tools.prompts import prompt_text
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 

@@ -195,10 +195,11 @@ def test_a_cell_with_some_questions_answered_is_marked_partial():
 
 def test_eval_takes_a_config_that_sets_options(monkeypatch, tmp_path):
     """Before: eval took only method, budget and layer from a config and sent the user to `generate`."""
-    from priortr.tools.config_file import write_config
+    from priortr.api import apply_defaults
+    from priortr.config_file import write_config
 
     setting = {"method": "priortr+merge", "budget": 64, "options": {"adaptive": True}}
-    config = write_config(tmp_path / "merge.json", setting)
+    config = write_config(tmp_path / "merge.json", setting, apply_defaults())
     run = FakeRun()
     run.patch(monkeypatch)
     out = tmp_path / "out"

@@ -1,5 +1,6 @@
 """The package's rooms: the top level holds what a user imports, the core (API, engine, methods, adapters,
-compat) imports no plotting, benchmark or evaluation code, and no two modules share a name unless one is
+compat, tensors) imports no plotting, benchmark or evaluation code, the rooms stand on each other in one
+order with no import pointing up it and no import cycle, and no two modules share a name unless one is
 the other's command-line front end."""
 
 from __future__ import annotations
@@ -13,20 +14,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "priortr"
 ROOMS = {
     "__init__.py",
     "api.py",
+    "config_file.py",
     "adapters",
     "engine",
     "methods",
     "compat",
+    "tensors",
     "cli",
     "testbed",
     "tools",
     "integrations",
 }
-CORE = ("__init__.py", "api.py", "adapters", "engine", "methods", "compat")
-# plotting, benchmarks, evaluation, front ends: every tool but the API's config files (tools.config_file)
-TOOLS = sorted(
-    path.stem for path in (PACKAGE / "tools").glob("*.py") if path.stem not in ("__init__", "config_file")
-)
+CORE = ("__init__.py", "api.py", "config_file.py", "adapters", "engine", "methods", "compat", "tensors")
 FORBIDDEN = (
     "matplotlib",
     "lmms_eval",
@@ -34,9 +33,23 @@ FORBIDDEN = (
     "priortr.cli",
     "priortr.integrations",
     "priortr.testbed",
-    "priortr.tools.configs",
-    *(f"priortr.tools.{name}" for name in TOOLS),
+    "priortr.tools",
 )
+FLOORS = {
+    "tensors": 0,
+    "compat": 1,
+    "methods": 1,
+    "adapters": 2,
+    "engine": 3,
+    "config_file": 4,
+    "api": 4,
+    "__init__": 4,
+    "tools": 5,
+    "integrations": 5,
+    "cli": 5,
+    "testbed": 5,
+}
+"""Each room's floor: a module imports from its own floor and those below it, never from one above."""
 
 
 def _modules(room: str) -> list[Path]:
@@ -60,6 +73,71 @@ def _forbidden(name: str) -> bool:
     return any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN)
 
 
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph(package: Path) -> dict[str, set[str]]:
+    """Every module of ``package`` and the modules of ``package`` it imports: ``from a import b`` imports
+    ``a.b`` when that is a module, else ``a``; a name that is no module counts as the module holding it."""
+    modules = {_module_name(path, package): path for path in package.rglob("*.py")}
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {owner(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                edges |= {owner(f"{node.module}.{alias.name}") for alias in node.names}
+        graph[name] = {imported for imported in edges if imported and imported != name}
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(graph: dict[str, set[str]]) -> set[str]:
+    """``importer -> imported`` for every import from a room on a higher floor."""
+    return {
+        f"{module} -> {imported}"
+        for module, edges in graph.items()
+        for imported in edges
+        if FLOORS[_room(imported)] > FLOORS[_room(module)]
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (one path per cycle found by a depth-first walk)."""
+    state: dict[str, int] = {}  # 1: on the walk's path, 2: done
+    path: list[str] = []
+    found = []
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                found.append([*path[path.index(imported) :], imported])
+            elif imported not in state:
+                walk(imported)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    return found
+
+
 def test_the_top_level_holds_the_rooms():
     entries = {path.name for path in PACKAGE.iterdir() if path.name != "__pycache__"}
     assert entries == ROOMS
@@ -80,9 +158,38 @@ def test_the_negative_control_finds_a_forbidden_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from priortr.tools import viz\n    import matplotlib.pyplot\n")
     assert {name for name in _imports(module) if _forbidden(name)} == {
+        "priortr.tools",
         "priortr.tools.viz",
         "matplotlib.pyplot",
     }
+
+
+def test_no_import_points_up_the_floors():
+    """tensors <- compat, methods <- adapters <- engine <- api <- tools, integrations, cli, testbed."""
+    graph = _graph(PACKAGE)
+    assert {_room(module) for module in graph} <= set(FLOORS)
+    assert not _upward(graph)
+
+
+def test_no_import_cycle():
+    assert not _cycles(_graph(PACKAGE))
+
+
+def test_the_negative_controls_find_an_upward_import_and_a_cycle(tmp_path):
+    package = tmp_path / "priortr"
+    for room in ("tensors", "compat", "engine"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "tensors" / "rope.py").write_text("def f():\n    from priortr.engine.stage import g\n")
+    (package / "engine" / "stage.py").write_text("from priortr.engine import plan\n")
+    (package / "engine" / "plan.py").write_text(
+        "from priortr.engine.stage import g\nfrom priortr import compat\n"
+    )
+    graph = _graph(package)
+    assert _upward(graph) == {"priortr.tensors.rope -> priortr.engine.stage"}
+    assert _cycles(graph) == [["priortr.engine.plan", "priortr.engine.stage", "priortr.engine.plan"]]
+    assert "priortr.compat" in graph["priortr.engine.plan"]
 
 
 def test_pruning_a_model_loads_no_tool():

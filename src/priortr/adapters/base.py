@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from priortr.engine.attention import apply_rope
-from priortr.engine.sequence import gather_sequence
+from priortr.tensors.gathers import gather_sequence
+from priortr.tensors.rope import apply_rope
 
 
 @dataclass(frozen=True)

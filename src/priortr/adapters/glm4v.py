@@ -20,7 +20,7 @@ from torch import nn
 
 from priortr.adapters.base import VisualItem, visual_runs
 from priortr.adapters.qwen2_vl import QwenVLAdapter
-from priortr.engine.attention import apply_rope, rotate_pairs
+from priortr.tensors.rope import apply_rope, rotate_pairs
 
 
 class Glm4vAdapter(QwenVLAdapter):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from priortr.adapters.base import FamilyAdapter, VisualItem, visual_runs
-from priortr.engine.sequence import gather_sequence
+from priortr.tensors.gathers import gather_sequence
 
 UNIT_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
 """RoPE types whose rotations have modulus one (transformers' ``attention_factor`` 1), with which the L2

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from priortr.tools.config_file import parse_budget
+from priortr.config_file import parse_budget
 from priortr.tools.loading import DTYPES
 
 TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
@@ -134,10 +134,11 @@ def config_setting(
     """The ``--config`` file's ``keys`` (defaults filled in), for commands that pass only those to
     ``priortr.apply``; a file that sets any other keyword is refused rather than half-applied. The
     values themselves are checked by ``priortr.apply`` when the command prunes."""
-    from priortr.tools.config_file import apply_defaults, read_config
+    from priortr.api import apply_defaults
+    from priortr.config_file import read_config
 
-    stored = read_config(args.config)
     defaults = apply_defaults()
+    stored = read_config(args.config, defaults)
     extra = sorted(name for name, value in stored.items() if name not in keys and value != defaults[name])
     if extra:
         raise ValueError(

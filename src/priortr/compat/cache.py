@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 
 from priortr.compat.calls import CACHE_NAMES
 from priortr.compat.release import refuse
-from priortr.engine.sequence import gather_sequence
+from priortr.tensors.gathers import gather_sequence
 
 CLAIMED = "_priortr_claimed"
 SPOILED = "_priortr_spoiled"

@@ -20,7 +20,7 @@ import torch
 from transformers import masking_utils
 
 from priortr.compat import layers
-from priortr.engine.sequence import gather_sequence
+from priortr.tensors.gathers import gather_sequence
 
 
 def padding_mask(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,8 +15,8 @@ in the order a prefill meets them:
 * ``ledger``: what later calls (decode steps, chat turns) need to continue a pruned cache.
 * ``result``: ``handle.last`` (``PruneResult``), assembled when read.
 
-Its private parts sit beside them: ``attention`` (attention rows and RoPE recomputed from a layer's
-projections), ``pools`` (the visual tokens ranked together), ``host`` (host/device copies that do not
-stall the device). This package imports none of its modules, so that the adapters and
-``priortr.compat`` can import those parts without importing the engine's wiring.
+Its private parts sit beside them: ``attention`` (attention rows recomputed from a layer's projections)
+and ``pools`` (the visual tokens ranked together). The tensor helpers the adapters and
+``priortr.compat`` share with the engine (per-row gathers, RoPE, host/device copies) live below it, in
+``priortr.tensors``, so nothing under the engine imports the engine.
 """

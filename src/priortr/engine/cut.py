@@ -17,10 +17,11 @@ import torch
 
 from priortr import compat
 from priortr.engine.evidence import Group
-from priortr.engine.host import to_device
 from priortr.engine.pools import Pool
-from priortr.engine.sequence import SequenceMap, gather_sequence
+from priortr.engine.sequence import SequenceMap
 from priortr.methods.selection import Selection
+from priortr.tensors.gathers import gather_sequence
+from priortr.tensors.host import to_device
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its 
   recomputed for the few rows PriorTR needs (paper Appendix A.3) from the layer's query and key
   projections, captured as the layer ran (``ScoredLayer``), RoPE applied as the layer applies it, and
   only the text rows from the earliest separator on pushed through a softmax with the causal and padding
-  masks applied explicitly (``priortr.engine.probe``). Out of those rows each pool takes its prior Q (its
+  masks applied explicitly (``priortr.engine.attention``). Out of those rows each pool takes its prior Q (its
   item's separator row), the rows averaged into its posterior P and the last prompt token's row.
 * token features (``keys``, ``final_norm``): the scored layer's keys and its output through the final norm.
 * vision evidence (``VISION_NEEDS``): the vision tower's [CLS] attention, keys and features, captured when
@@ -31,7 +31,6 @@ from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
 from priortr.engine.config import VISION_NEEDS, PruningConfig
-from priortr.engine.host import to_device
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
@@ -39,6 +38,7 @@ from priortr.methods import MethodInfo
 from priortr.methods.scoring import aggregate_heads, build_evidence
 from priortr.methods.selection import StageInputs
 from priortr.methods.value_checks import value_checks
+from priortr.tensors.host import to_device
 
 
 @dataclass

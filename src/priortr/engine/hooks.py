@@ -30,11 +30,11 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.continuation import Continuation, split_call
-from priortr.engine.host import to_host
 from priortr.engine.ledger import continue_call, ledger_of, write_ledger
 from priortr.engine.plan import make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.result import PrefillRecord, PruneResult
+from priortr.tensors.host import to_host
 
 
 class PruningEngine:

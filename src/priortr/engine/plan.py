@@ -18,8 +18,8 @@ import torch
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig, PruningSkippedWarning
-from priortr.engine.host import to_device, to_host
 from priortr.engine.pools import Pool, make_pools
+from priortr.tensors.host import to_device, to_host
 
 ROW_EVIDENCE = frozenset({"attention", "next_attention", "keys", "final_norm"})
 """Evidence that reads the text rows after a pool's separator, so the plan lays them out."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from priortr.adapters.base import VisualItem
-from priortr.engine.host import to_device
+from priortr.tensors.host import to_device
 
 MULTI_IMAGE = ("per_image", "global")
 

@@ -2,10 +2,10 @@
 
 Two index spaces meet in a pruned prefill: *positions* index the prompt as the caller passed it
 (S of them, the RoPE phases and the report use them) and *columns* index the sequence the layers now
-run on (S' <= S). ``SequenceMap`` holds the map between them, on the model's device;
-``gather_sequence`` is the per-row gather behind every physical prune: kept tokens keep their original
-RoPE phases because the (cos, sin) pairs and position ids are gathered, never recomputed (paper Sec. 3.3,
-Algorithm 1, Phase 3; renumbering positions is measurably not equivalent).
+run on (S' <= S). ``SequenceMap`` holds the map between them, on the model's device. Kept tokens keep
+their original RoPE phases because the (cos, sin) pairs and position ids are gathered
+(``priortr.tensors.gathers``), never recomputed (paper Sec. 3.3, Algorithm 1, Phase 3; renumbering
+positions is measurably not equivalent).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.engine.host import to_device
+from priortr.tensors.host import to_device
 
 
 @dataclass
@@ -80,15 +80,3 @@ class SequenceMap:
         self.valid = self.valid.gather(1, index)
         self.filler = filler
         self._column_of = None
-
-
-def gather_sequence(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Keep positions ``index`` [B, S'] along ``dim`` of ``x`` (batch first, or broadcast batch 1)."""
-    index = index.to(x.device)
-    if x.shape[0] == 1 and index.shape[0] > 1:
-        x = x.expand(index.shape[0], *x.shape[1:])
-    shape = [1] * x.ndim
-    shape[0], shape[dim] = index.shape
-    full = list(x.shape)
-    full[dim] = index.shape[1]
-    return x.gather(dim, index.view(shape).expand(full))

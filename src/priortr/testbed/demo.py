@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from priortr.adapters import adapter_for
+from priortr.api import apply_defaults
+from priortr.config_file import read_config
 from priortr.testbed import assemble, scenes
 from priortr.testbed.data import Sample, scene_samples
 from priortr.testbed.evaluate import is_correct
 from priortr.tools import families, loading, viz
 from priortr.tools.bench import Spread
 from priortr.tools.calibrate import Calibrator, Prompt, Setting, Timing
-from priortr.tools.config_file import read_config
 
 CALIBRATED = Path(__file__).with_name("calibrated.json")
 DEMO_SCENE = ("test", 7)
@@ -64,7 +65,7 @@ def setting(
     config: str | Path | None = None, layer: int | None = None, budget: int | None = None
 ) -> dict[str, Any]:
     """The layer and budget to show: the calibrated config (or ``config``), then ``layer``/``budget``."""
-    stored = read_config(config or CALIBRATED)
+    stored = read_config(config or CALIBRATED, apply_defaults())
     return {
         "layer": stored.get("layer") if layer is None else layer,
         "budget": stored.get("budget") if budget is None else budget,

@@ -17,7 +17,7 @@ with the unpruned model on the same batches:
   ran (``priortr.tools.flops``).
 
 Per method, the recommendation is the fastest configuration whose agreement reaches the target; it is
-written as a config file (``priortr.tools.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
+written as a config file (``priortr.config_file``) that ``priortr.apply(model, config=PATH)``, the CLI's
 ``--config`` and the lmms-eval plug-in read. The unpruned answers are computed once per run and every
 measured configuration's answers are cached in the output folder, so a re-run with a larger grid
 answers only what is new (the timings, taken together, are always taken again).

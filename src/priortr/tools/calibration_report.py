@@ -9,8 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from priortr.api import apply_defaults
+from priortr.config_file import write_config
 from priortr.tools.calibrate import Calibration, Measurement
-from priortr.tools.config_file import write_config
 
 
 def to_dict(result: Calibration) -> dict[str, Any]:
@@ -151,13 +152,21 @@ def write(result: Calibration, directory: str | Path) -> list[Path]:
         if m is not None:
             paths.append(
                 write_config(
-                    directory / f"recommended-{method}.json", m.setting.arguments(), _record(result, m)
+                    directory / f"recommended-{method}.json",
+                    m.setting.arguments(),
+                    apply_defaults(),
+                    _record(result, m),
                 )
             )
     best = result.best()
     if best is not None:
         paths.append(
-            write_config(directory / "recommended.json", best.setting.arguments(), _record(result, best))
+            write_config(
+                directory / "recommended.json",
+                best.setting.arguments(),
+                apply_defaults(),
+                _record(result, best),
+            )
         )
     return paths
 

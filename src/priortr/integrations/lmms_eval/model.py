@@ -58,9 +58,9 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 import priortr
+from priortr.config_file import parse_budget
 from priortr.integrations.lmms_eval.placement import placement
 from priortr.integrations.lmms_eval.stats import KeptStats, report_stats
-from priortr.tools.config_file import parse_budget
 from priortr.tools.loading import DTYPES, load
 from priortr.tools.prompts import prompt_text
 from priortr.tools.timing import Clock

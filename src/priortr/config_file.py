@@ -2,8 +2,10 @@
 
 The file is a JSON object of ``priortr.apply``'s keywords (``method``, ``budget``, ``layer``, ``options``,
 ...) plus an optional ``"calibration"`` object that records where the setting came from and is not read
-back. This module only checks the file's shape and its key names; the values are checked by ``apply``
-itself, so a setting from a file is refused for exactly the reasons a setting from Python is.
+back. This module only checks the file's shape and its key names (against ``defaults``, the keywords
+``priortr.api.apply_defaults`` lists); the values are checked by ``apply`` itself, so a setting from a
+file is refused for exactly the reasons a setting from Python is. It sits in the core, below the API,
+because ``apply(config=...)`` reads these files; it imports nothing from priortr.
 
     {"method": "priortr", "budget": 32, "layer": 4,
      "calibration": {"agreement": 0.97, "speedup": 1.8, "data": "scenes-train"}}
@@ -11,7 +13,6 @@ itself, so a setting from a file is refused for exactly the reasons a setting fr
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -33,19 +34,9 @@ def parse_budget(value: int | float | str | None) -> int | float | None:
         raise ValueError(f"not a number: {value!r}") from None
 
 
-def apply_defaults() -> dict[str, Any]:
-    """``priortr.apply``'s pruning keywords and their defaults (the model and ``config`` excluded)."""
-    from priortr.api import apply
-
-    return {
-        name: parameter.default
-        for name, parameter in inspect.signature(apply).parameters.items()
-        if parameter.default is not inspect.Parameter.empty and name != "config"
-    }
-
-
-def read_config(path: str | Path) -> dict[str, Any]:
-    """The ``apply`` keywords stored in ``path`` (only those the file sets)."""
+def read_config(path: str | Path, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``apply`` keywords stored in ``path`` (only those the file sets); ``defaults``: every keyword
+    a file may set."""
     path = Path(path)
     try:
         document = json.loads(path.read_text())
@@ -55,22 +46,24 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config {str(path)!r} is not valid JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise ValueError(f"config {str(path)!r} must hold a JSON object of priortr.apply keywords")
-    known = apply_defaults()
-    unknown = sorted(set(document) - set(known) - {METADATA})
+    unknown = sorted(set(document) - set(defaults) - {METADATA})
     if unknown:
         raise ValueError(
             f"config {str(path)!r} has unknown keys {unknown}; a config holds priortr.apply keywords "
-            f"({', '.join(known)}) and an optional {METADATA!r} object"
+            f"({', '.join(defaults)}) and an optional {METADATA!r} object"
         )
     return {name: value for name, value in document.items() if name != METADATA}
 
 
 def write_config(
-    path: str | Path, arguments: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+    path: str | Path,
+    arguments: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``apply`` keywords (and the optional calibration record) as a config file."""
-    known = apply_defaults()
-    unknown = sorted(set(arguments) - set(known))
+    """Write ``apply`` keywords (and the optional calibration record) as a config file; ``defaults``:
+    every keyword a file may set."""
+    unknown = sorted(set(arguments) - set(defaults))
     if unknown:
         raise ValueError(f"not priortr.apply keywords: {unknown}")
     document = dict(arguments)
@@ -82,14 +75,14 @@ def write_config(
     return path
 
 
-def merge(path: str | Path, given: Mapping[str, Any]) -> dict[str, Any]:
-    """``apply`` keywords from the file at ``path`` and from a call's ``given`` keywords.
+def merge(path: str | Path, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``apply`` keywords from the file at ``path`` and from a call's ``given`` keywords (``defaults``:
+    every keyword with its default).
 
     A keyword left at its default takes the file's value; one passed explicitly (not at its default)
     is kept, unless the file sets it to something else: that is refused, since either could be meant.
     """
-    stored = read_config(path)
-    defaults = apply_defaults()
+    stored = read_config(path, defaults)
     merged = dict(given)
     for name, value in stored.items():
         passed = given.get(name, defaults[name])
