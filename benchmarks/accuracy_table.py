@@ -60,7 +60,7 @@ def mean_visual(row: Row, budget: int) -> float:
     stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them)."""
     info = get_method(row.method)
     if info.schedule is not None:
-        stages = info.schedule(budget, N_VISUAL, row.layer, N_LAYERS)
+        stages = info.schedule(budget, N_VISUAL, N_LAYERS)
     else:
         stages = [(-1 if info.where == "vision" else row.layer, budget)]
     return sum(profile_of_stages(stages).visual_per_layer(N_VISUAL, N_LAYERS)) / N_LAYERS

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import priortr
-from priortr.engine.pools import split_count
+from priortr.engine.config import split_count
 from tests.helpers.oracle import staged_reference
 from tests.helpers.pruned import assert_matches_reference, conversation, generate, row_alone, stage_masks
 from tests.helpers.tiny import llava_batch, qwen_batch, tiny_llava, tiny_qwen2_5_vl

@@ -16,8 +16,9 @@ import torch
 import priortr
 from priortr.cli import main
 from priortr.engine.attention import cls_attention
-from priortr.engine.config import DEFAULT_LAYER, VISION_NEEDS, PruningConfig
+from priortr.engine.config import VISION_NEEDS, PruningConfig
 from priortr.methods.recycling import recycle_counts
+from priortr.methods.registry import DEFAULT_LAYER
 from priortr.methods.selection import Selection, StageInputs
 from tests.helpers.families import FAMILIES, setup
 from tests.helpers.pruned import (
@@ -201,7 +202,7 @@ def test_merged_hidden_states_match_a_reference_that_writes_them():
 def _first_layer(method: str) -> int:
     """The first stage's layer of ``method`` on the 4-layer tiny models (-1: before the LLM)."""
     config = PruningConfig(method=priortr.get_method(method), budget=6, layer=DEFAULT_LAYER)
-    return config.plan(16, 4)[0][0]
+    return config.schedule(16, 4)[0][0]
 
 
 HYBRID = ("qwen3.5", "qwen3.5-moe")
@@ -257,7 +258,7 @@ def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method
         logits = model(**batch.kwargs()).logits[:, -1]
         kept = handle.last.kept - handle.last.visual_start[:, None]
         n_layers = len(priortr.adapters.adapter_for(model).decoder_layers(model))
-        survivors = _survivors(method, handle.config.plan(batch.n_visual, n_layers), batch.n_visual)
+        survivors = _survivors(method, handle.config.schedule(batch.n_visual, n_layers), batch.n_visual)
         assert kept.shape[1] == (survivors - 1 if method == "visionzip" else survivors)
         if priortr.get_method(method).schedule is None:  # VisionZip's [CLS] takes one of its K slots
             assert kept.shape[1] == (budget - 1 if method == "visionzip" else budget)

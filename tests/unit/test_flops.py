@@ -164,7 +164,7 @@ def test_ratio_budgets_and_json_report():
 
 
 def test_each_method_is_counted_at_the_layer_apply_scores_by_default():
-    assert flops.DEFAULT_LAYER is priortr.engine.config.DEFAULT_LAYER
+    assert flops.DEFAULT_LAYER is priortr.methods.registry.DEFAULT_LAYER
     assert priortr.get_method("priortr").default_layer == flops.DEFAULT_LAYER == 2
     assert priortr.get_method("fastv").default_layer == priortr.get_method("fastv").layer == 1
     assert priortr.get_method("visionzip").default_layer is None

@@ -81,9 +81,26 @@ class FamilyAdapter:
     """Base adapter: the defaults fit a ``*ForConditionalGeneration`` whose ``.model`` holds a
     ``language_model`` with ``.layers``, each with ``self_attn.{q,k}_proj`` (LLaVA, Qwen-VL).
 
-    A family overrides only what differs: ``name``, ``model_types``, ``visual_token_ids`` and, if its
-    position ids are not plain ``[B, S]`` text positions, ``text_positions`` /
-    ``continuation_position_ids``.
+    For adding a new family, set or override (docs/how-it-works.md, "Adding a family", walks one):
+
+    Required:
+        ``name``, ``model_types``: the family's name and the ``config.model_type`` values it serves.
+        ``visual_token_ids``: the placeholder token id of each modality (``image``, ``video``).
+
+    Optional, where the family differs from the defaults:
+        ``separator_token``: how the docs and errors name the token after an image (the prior's slot).
+        ``multimodal_model``, ``language_model``, ``decoder_layers``: where the modules sit.
+        ``attention``, ``query_projection``, ``key_projection``, ``scaling``, ``input_norm``,
+        ``final_norm``: a decoder layer's parts.
+        ``visual_items``: each image or video of a prompt row, when an item is not one run of its id.
+        ``text_positions``, ``continuation_position_ids``: position ids that are not plain [B, S].
+        ``queries_and_keys``: per-head queries and keys from the projections (q/k norms go here).
+        ``rotate``, ``gather_rope``, ``inverse_rope``: RoPE that is not rotate-half (cos, sin) pairs.
+        ``scales_queries``, ``query_scales``: queries scaled by their place in the sequence (Llama 4).
+        ``attention_layers``: the decoder layers with softmax attention, when not every layer has it.
+        ``injected_layers``: the leading layers that take visual features on their output (DeepStack).
+        ``vision_probe``: the vision tower's [CLS] attention, for methods that rank by it.
+        ``vision_modules``: the first and last modules of the image path, for timing it.
     """
 
     name: str = ""

@@ -228,10 +228,10 @@ def check_prunable(cache: Any, layer: int, local: Sequence[bool] | None = None) 
             )
 
 
-def compact(cache: Any, index: torch.Tensor, seq_len: int, n_layers: int) -> None:
+def compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> None:
     """Keep columns ``index`` [B, S'] (the kept tokens in order, after the fillers of ragged rows) of the
-    prompt entries of the first ``n_layers`` layers' key-value caches."""
-    for cache_layer in key_value_layers(cache, n_layers):
+    prompt entries of the key-value caches of layers ``0 .. layers_run - 1``, the layers that ran."""
+    for cache_layer in key_value_layers(cache, layers_run):
         if getattr(cache_layer, "keys", None) is None or cache_layer.keys.numel() == 0:
             raise ValueError("cannot prune an empty cache layer; pruning happens during the prefill")
         _operations(cache_layer).compact(cache_layer, index, seq_len)

@@ -4,13 +4,12 @@ same message."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from priortr.engine.pools import MULTI_IMAGE, split_count
 from priortr.methods import MethodInfo, get_method
-from priortr.methods.registry import DEFAULT_LAYER as DEFAULT_LAYER
 from priortr.methods.scoring import HEAD_AGGREGATIONS as HEAD_AGGREGATIONS
 from priortr.methods.scoring import resolve_budget
 
@@ -24,6 +23,8 @@ VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
 """Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
 
 POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
+MULTI_IMAGE = ("per_image", "global")
+"""How the items of a prompt row share the budget: each ranked alone under its share, or all together."""
 BEFORE_LLM = -1
 """The stage layer of methods that prune the language model's input embeddings (``where='vision'``)."""
 
@@ -37,7 +38,8 @@ class PruningConfig:
     """What to prune and how; made and checked by ``PruningConfig.of``.
 
     ``layer`` is the 0-indexed decoder layer whose attention is scored by a one-layer method; layers
-    ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1").
+    ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1"). A method
+    that prunes before the language model or on its own schedule has no layer (None).
     ``stages`` replaces the method's schedule by explicit (scored layer, budget) pairs, the budgets
     counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs.
     ``posterior_rows`` chooses the rows averaged into P: every prompt token after the separator
@@ -51,7 +53,7 @@ class PruningConfig:
 
     method: MethodInfo
     budget: int | float
-    layer: int
+    layer: int | None
     stages: tuple[tuple[int, int | float], ...] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     heads: str = "mean"
@@ -113,13 +115,13 @@ class PruningConfig:
         _check_injection(self, adapter.injected_layers(model), n_layers)
         _check_scored_layers(self, adapter.attention_layers(model), n_layers)
 
-    def plan(
+    def schedule(
         self, n_visual: int, n_layers: int, part: tuple[int, int] | None = None
     ) -> list[tuple[int, int]]:
-        """The (layer, tokens kept after it) stages for a pool of ``n_visual`` tokens.
+        """The (scored layer, tokens kept after it) stages of a pool of ``n_visual`` tokens.
 
         ``part`` = (the row's visual tokens before this pool, all of them) splits a count budget over
-        the pools of a row in proportion to their sizes (``pools.split_count``); ratios need no split.
+        the pools of a row in proportion to their sizes (``split_count``); ratios need no split.
         """
 
         def count(budget: int | float) -> int:
@@ -131,7 +133,7 @@ class PruningConfig:
             return [(layer, count(budget)) for layer, budget in self.stages]
         kept = count(self.budget)
         if self.method.schedule is not None:
-            return self.method.schedule(kept, n_visual, self.layer, n_layers)
+            return self.method.schedule(kept, n_visual, n_layers)
         return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
 
 
@@ -155,12 +157,23 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int:
+def split_count(count: int, before: int, size: int, total: int) -> int:
+    """An item's share of a row's ``count`` tokens: the rounded cumulative share of the row's ``total``
+    visual tokens up to its end minus that up to its start, so the shares sum to ``count`` exactly."""
+
+    def cumulative(tokens: int) -> int:
+        return math.floor(count * tokens / total + 0.5)
+
+    return max(1, cumulative(before + size) - cumulative(before))
+
+
+def _check_layer(info: MethodInfo, layer: int | None, n_layers: int) -> int | None:
+    """The scored layer of a one-layer method; None for a method that has none."""
     if info.where != "layer":
         if layer is not None:
             where = "before the language model" if info.where == "vision" else "on its own schedule of layers"
             raise ValueError(f"{info.name} prunes {where}; it takes no layer (leave layer=None)")
-        return DEFAULT_LAYER
+        return None
     if layer is None:
         layer = info.default_layer
     if not is_int(layer) or not 0 <= layer <= n_layers - 2:
@@ -216,7 +229,7 @@ def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> Non
     (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers)."""
     if injected == 0:
         return
-    first = min(layer for layer, _ in config.plan(1 << 20, n_layers))
+    first = min(layer for layer, _ in config.schedule(1 << 20, n_layers))
     if first < injected - 1:
         where = "before the language model" if first == BEFORE_LLM else f"after layer {first}"
         raise ValueError(
@@ -233,7 +246,7 @@ def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: 
     offset = 1 if "next_attention" in config.method.needs else 0
     if not config.method.needs & {"attention", "keys", "next_attention"} or len(attention) == n_layers:
         return
-    for layer, _ in config.plan(1 << 20, n_layers):
+    for layer, _ in config.schedule(1 << 20, n_layers):
         if layer == BEFORE_LLM or layer + offset in attention:
             continue
         allowed = [index - offset for index in attention if 0 <= index - offset <= n_layers - 2]

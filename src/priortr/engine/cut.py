@@ -4,7 +4,8 @@ Kept visual tokens and every text token stay, in order, with their original posi
 Algorithm 1, Phase 3); the KV cache of the layers already run is compacted the same way. Every row's
 new length is known on the host (text tokens plus the budgets of its pools), so the kept columns are
 found with fixed-size tensor work, never by reading which ones survived. Rows left shorter than the
-longest keep some pruned tokens as fillers (ragged batches), masked from every query later on.
+longest keep some pruned tokens as fillers (ragged batches), masked from every query later on. The cut
+edits none of its inputs but the cache: it returns the new hidden states, pools and sequence map.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 
 from priortr import compat
-from priortr.engine.evidence import Group
+from priortr.engine.evidence import PoolGroup
 from priortr.engine.pools import Pool
-from priortr.engine.sequence import SequenceMap
+from priortr.engine.state import StageState
+from priortr.methods.scoring import Evidence
 from priortr.methods.selection import Selection
 from priortr.tensors.gathers import gather_sequence
 from priortr.tensors.host import to_device
@@ -27,13 +29,15 @@ from priortr.tensors.host import to_device
 @dataclass(frozen=True)
 class Decision:
     """A selector's ``selection`` for ``group``, with the hidden states it saw (for merges); a merge
-    in ``features`` space combines ``features`` and maps the result through ``project``."""
+    in ``features`` space combines ``features`` and maps the result through ``project``. ``evidence``:
+    the Q and P it ranked by (methods that read attention), for the report."""
 
-    group: Group
+    group: PoolGroup
     selection: Selection
     hidden: torch.Tensor
     features: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
+    evidence: Evidence | None = None
 
     @property
     def changes(self) -> bool:
@@ -42,19 +46,22 @@ class Decision:
 
 
 def cut(
-    sequence: SequenceMap,
+    state: StageState,
+    layer: int,
     text_tokens: list[int],
-    decisions: list[Decision],
-    unranked: list[Pool],
+    decisions: tuple[Decision, ...],
     hidden: torch.Tensor,
     cache: Any,
-    cached_layers: int,
-) -> torch.Tensor:
-    """Keep what ``decisions`` keep (and every token of the ``unranked`` pools), drop the other visual
-    tokens from ``hidden`` [B, S', D], ``sequence`` and the first ``cached_layers`` layers of ``cache``.
+) -> tuple[torch.Tensor, StageState]:
+    """Keep what the decisions of the stage scored at ``layer`` keep (and every token of the pools it does
+    not rank), drop the other visual tokens from ``hidden`` [B, S', D] and from the caches of layers
+    ``0 .. layer``, which ran; rows hold ``text_tokens`` text tokens each.
 
-    Returns the new hidden states [B, S'', D]; each decision's pools are narrowed to their survivors.
+    Returns the new hidden states [B, S'', D] and the new state: each decision's pools narrowed to their
+    survivors, the sequence map of the kept columns.
     """
+    sequence = state.sequence
+    unranked = [pool for pool in state.pools if layer not in pool.stages]
     keep = ~sequence.visual  # [B, S'] text and padding always stay
     lengths = list(text_tokens)
     for decision in decisions:
@@ -85,12 +92,14 @@ def cut(
         slot = torch.zeros_like(order).scatter(1, index, columns)  # [B, S'] new column of every kept column
         for decision in merges:
             _merge(out, slot, decision)
-    if cache is not None and cached_layers > 0:
-        compat.cache.compact(cache, index, sequence.width, cached_layers)
-    sequence.keep(index, None if filler is None else filler.gather(1, index))
+    if cache is not None and layer + 1 > 0:
+        compat.cache.compact(cache, index, sequence.width, layer + 1)
+    pools = list(state.pools)
     for decision in decisions:
-        _narrow(decision)
-    return out
+        for i, pool in zip(decision.group.indices, _narrowed(decision), strict=True):
+            pools[i] = pool
+    kept = sequence.kept(index, None if filler is None else filler.gather(1, index))
+    return out, StageState(tuple(pools), kept)
 
 
 def _merge(out: torch.Tensor, slot: torch.Tensor, decision: Decision) -> None:
@@ -120,11 +129,10 @@ def _merge_features(decision: Decision) -> torch.Tensor:
     return project(merged.to(features.dtype))  # [G, k, D]
 
 
-def _narrow(decision: Decision) -> None:
-    """Narrow the group's pools to the tokens that survived."""
+def _narrowed(decision: Decision) -> list[Pool]:
+    """The group's pools narrowed to the tokens that survived."""
     group, kept = decision.group, decision.selection.kept.to(decision.group.positions.device)
     positions, item_of, offset = (
         values.gather(1, kept) for values in (group.positions, group.item_of, group.offset)
     )
-    for g, pool in enumerate(group.pools):
-        pool.keep(positions[g], item_of[g], offset[g])
+    return [pool.kept(positions[g], item_of[g], offset[g]) for g, pool in enumerate(group.pools)]

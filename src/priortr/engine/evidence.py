@@ -15,13 +15,16 @@ of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its 
 * input embeddings (``input_embeddings``): the hidden states that entered decoder layer 0 (SparseVLM's
   raters weigh the prompt's text against the image there).
 
-Pools with the same size and budget at a stage form one ``Group``: one selector call ranks them all.
+Pools with the same size and budget at a stage form one ``PoolGroup``: one selector call ranks them all.
+Nothing here edits what it reads: the attention rows a stage's groups share are computed once, when the
+first group reads them (``Sources.text_attention``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -34,9 +37,9 @@ from priortr.engine.config import VISION_NEEDS, PruningConfig
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
+from priortr.engine.state import StageState
 from priortr.methods import MethodInfo
 from priortr.methods.scoring import aggregate_heads, build_evidence
-from priortr.methods.selection import StageInputs
 from priortr.methods.value_checks import value_checks
 from priortr.tensors.host import to_device
 
@@ -55,19 +58,20 @@ class ScoredLayer:
     key_out: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sources:
-    """Where one stage reads its evidence, for every group it ranks.
+    """Where one stage reads its evidence, for every group it ranks: the prefill's ``plan``, the
+    ``state`` the stages before it left, and the model's tensors.
 
     ``hidden`` [B, S', D] enters the layer after the scored one (``next_layer``, whose prompt RoPE is
     ``rope``); ``window`` and ``next_window`` are the local windows of those two layers. ``embeddings``
-    [B, S, D] entered decoder layer 0, when the method reads them (``input_positions``: every pool's
-    positions before any stage). ``attention`` [B, H, R, S'] are the recomputed text rows: computed by
-    the first group that needs them, or passed in by a caller that computed them itself (vLLM).
+    [B, S, D] entered decoder layer 0, when the method reads them. ``attention`` [B, H, R, S'] are the
+    recomputed text rows, passed in by a caller that computed them itself (vLLM); None: computed when a
+    group first reads them (``text_attention``).
     """
 
     plan: PrefillPlan
-    sequence: SequenceMap
+    state: StageState
     config: PruningConfig
     hidden: torch.Tensor
     adapter: FamilyAdapter | None = None
@@ -79,12 +83,26 @@ class Sources:
     vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None = None
     final_norm: torch.nn.Module | None = None
     embeddings: torch.Tensor | None = None
-    input_positions: list[torch.Tensor] | None = None
     attention: torch.Tensor | None = None
 
+    @property
+    def sequence(self) -> SequenceMap:
+        """The current sequence, as the stages before this one left it."""
+        return self.state.sequence
 
-@dataclass
-class Group:
+    @cached_property
+    def text_attention(self) -> torch.Tensor:
+        """[B, H, R, S'] the recomputed text rows: given, or at the scored layer (``attention``) or the
+        layer after it (``next_attention``), computed once for every group of the stage."""
+        if self.attention is not None:
+            return self.attention
+        if "attention" in self.config.method.needs:
+            return attention_at_layer(self)
+        return next_layer_attention(self)
+
+
+@dataclass(frozen=True)
+class PoolGroup:
     """Pools ranked by one selector call: G pools of n surviving tokens, each keeping ``budget``.
 
     ``rows`` [G] are their batch rows (``row_list`` on the host); ``positions``, ``item_of``,
@@ -112,22 +130,23 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
-def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int, by_input_size: bool = False) -> list[Group]:
+def groups(state: StageState, layer: int, by_input_size: bool = False) -> list[PoolGroup]:
     """The pools that stage ``layer`` ranks, grouped by (size, budget), and by their size at the input
     too when ``by_input_size`` (methods that read every input token of an image)."""
+    sequence = state.sequence
     by_key: dict[tuple[int, int, int], list[int]] = {}
-    for index, pool in enumerate(plan.pools):
+    for index, pool in enumerate(state.pools):
         if layer in pool.stages:
             input_size = sum(item.size for item in pool.items) if by_input_size else 0
             by_key.setdefault((pool.size, min(pool.stages[layer], pool.size), input_size), []).append(index)
     out = []
     for (_, budget, _), indices in by_key.items():
-        pools = [plan.pools[i] for i in indices]
+        pools = [state.pools[i] for i in indices]
         rows = [pool.row for pool in pools]
         row_index = sequence.row_index(rows)  # [G]
         positions = _stack([pool.positions for pool in pools])  # [G, n]
         out.append(
-            Group(
+            PoolGroup(
                 pools=pools,
                 indices=indices,
                 budget=budget,
@@ -142,35 +161,29 @@ def groups(plan: PrefillPlan, sequence: SequenceMap, layer: int, by_input_size: 
     return out
 
 
-Gatherer = Callable[[Sources, Group], dict[str, Any]]
+Gatherer = Callable[[Sources, PoolGroup], dict[str, Any]]
 """A function of one kind of evidence: the ``StageInputs`` fields it gives ``group``."""
 
 
-def gather(needs: frozenset[str], sources: Sources, group: Group) -> StageInputs:
-    """The ``StageInputs`` of ``group``: its visual tokens' hidden states [G, n, D], its budget, and
-    what each gatherer whose needs meet ``needs`` gives."""
-    visual_hidden = sources.hidden[group.rows[:, None], group.columns]  # [G, n, D]
-    fields: dict[str, Any] = {}
+def gather(needs: frozenset[str], sources: Sources, group: PoolGroup) -> dict[str, Any]:
+    """The evidence fields of ``group``'s ``StageInputs``: its visual tokens' hidden states [G, n, D] and
+    what each gatherer whose needs meet ``needs`` gives (the stage adds the budget)."""
+    fields: dict[str, Any] = {"hidden": sources.hidden[group.rows[:, None], group.columns]}  # [G, n, D]
     for wanted, gatherer in GATHERERS.items():
         if needs & wanted:
             fields.update(gatherer(sources, group))
-    return StageInputs(budget=group.budget, hidden=visual_hidden, seed=sources.config.seed, **fields)
+    return fields
 
 
-def attention_fields(sources: Sources, group: Group) -> dict[str, Any]:
+def attention_fields(sources: Sources, group: PoolGroup) -> dict[str, Any]:
     """Q, P and the last row of the group's pools (``group_attention``), from the stage's recomputed
     text rows: at the scored layer (``attention``) or the layer after it (``next_attention``)."""
-    if sources.attention is None:
-        if "attention" in sources.config.method.needs:
-            sources.attention = attention_at_layer(sources)
-        else:
-            sources.attention = next_layer_attention(sources)
     pool_rows = [sources.plan.pool_rows[i] for i in group.indices]
-    return group_attention(sources.attention, group, pool_rows, sources.config)
+    return group_attention(sources.text_attention, group, pool_rows, sources.config)
 
 
-def token_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
-    """Per-token features of the group's visual tokens and of the text rows (``plan.rows``) at the
+def token_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tensor]:
+    """Per-token features of the group's visual tokens and of the text rows (``plan.text_rows``) at the
     scored layer: its keys after the adapter's k-norm and RoPE, every kv head side by side (``keys``),
     and its output through the language model's final norm (``final_norm``), as DART reads them
     (``get_retained_image_token`` in the authors' ``modeling_llama_self.py``: ``any_states`` and
@@ -181,7 +194,7 @@ def token_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
     device = hidden.device
     rows = group.rows.to(device)
     columns = group.columns.to(device)
-    text_columns = sequence.columns_of_rows(plan.rows).to(device).index_select(0, rows)  # [G, R]
+    text_columns = sequence.columns_of_rows(plan.text_rows).to(device).index_select(0, rows)  # [G, R]
     fields: dict[str, torch.Tensor] = {"text_after": _text_after(plan, group, device)}
     if "keys" in needs:
         adapter, scored = sources.adapter, sources.scored
@@ -198,22 +211,22 @@ def token_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
         fields["text_keys"] = keys[rows[:, None], text_columns]  # [G, R, Hkv * d]
         start = start.index_select(0, rows)  # [G, 1]
         fields["prompt_positions"] = group.positions.to(device) - start  # [G, n]
-        fields["text_prompt_positions"] = plan.rows.index_select(0, rows) - start  # [G, R]
+        fields["text_prompt_positions"] = plan.text_rows.index_select(0, rows) - start  # [G, R]
     if "final_norm" in needs:
         fields["normed"] = sources.final_norm(hidden[rows[:, None], columns])  # [G, n, D]
         fields["text_normed"] = sources.final_norm(hidden[rows[:, None], text_columns])  # [G, R, D]
     return fields
 
 
-def vision_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
+def vision_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tensor]:
     """What the tower showed of each of the group's tokens when it ran (``vision_evidence``)."""
     probe, capture = sources.vision
     return vision_evidence(capture, probe, sources.plan, group, sources.config.method)
 
 
-def embedding_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
+def embedding_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tensor]:
     """The group's text rows and input visual tokens as they entered decoder layer 0 (``embeddings``
-    [B, S, D], captured there); ``input_positions`` are every pool's positions before any stage."""
+    [B, S, D], captured there; the plan's pools hold every pool's positions before any stage)."""
     embeddings, plan = sources.embeddings, sources.plan
     if embeddings is None:
         raise ValueError(
@@ -221,8 +234,8 @@ def embedding_fields(sources: Sources, group: Group) -> dict[str, torch.Tensor]:
             "in this prefill"
         )
     rows = group.rows.to(embeddings.device)  # [G]
-    text = plan.rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
-    visual = _stack([sources.input_positions[i] for i in group.indices]).to(embeddings.device)  # [G, N0]
+    text = plan.text_rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
+    visual = _stack([plan.pools[i].positions for i in group.indices]).to(embeddings.device)  # [G, N0]
     return {
         "text_embeddings": embeddings[rows[:, None], text],  # [G, R, D]
         "text_after": _text_after(plan, group, embeddings.device),
@@ -239,7 +252,7 @@ GATHERERS: dict[frozenset[str], Gatherer] = {
 """Each kind of evidence: the needs that ask for it, and its gatherer."""
 
 
-def _text_after(plan: PrefillPlan, group: Group, device: torch.device) -> torch.Tensor:
+def _text_after(plan: PrefillPlan, group: PoolGroup, device: torch.device) -> torch.Tensor:
     """[G, R] bool: the text rows from each pool's last separator on (the text after its items)."""
     return to_device(_stack([plan.pool_rows[i].after for i in group.indices]), device)
 
@@ -256,12 +269,12 @@ def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, windo
 
 
 def attention_at_layer(sources: Sources) -> torch.Tensor:
-    """Attention [B, H, R, S'] of every batch row's recomputed text rows (``plan.rows``) over the current
+    """Attention [B, H, R, S'] of every batch row's recomputed text rows (``plan.text_rows``) over the current
     sequence at the scored layer, from its captured projections and RoPE, within its local window."""
     plan, sequence, adapter, scored = sources.plan, sources.sequence, sources.adapter, sources.scored
     module, rope = scored.attention, scored.rope
     queries, keys = adapter.queries_and_keys(module, scored.query_out, scored.key_out)
-    rows = sequence.columns_of_rows(plan.rows)  # [B, R]
+    rows = sequence.columns_of_rows(plan.text_rows)  # [B, R]
     picked = queries.gather(
         2, rows[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[-1]).to(queries.device)
     )
@@ -282,7 +295,7 @@ def _rows_attention(
     the current columns, its query temperature at the rows' places in the prompt, its local ``window``."""
     adapter, plan = sources.adapter, sources.plan
     queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
-    queries = _placed(adapter, module, queries, plan.rows)
+    queries = _placed(adapter, module, queries, plan.text_rows)
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
     spec = row_spec(plan, sources.sequence, rows, window)
     return attention_rows(queries, keys, spec, adapter.scaling(module))
@@ -313,7 +326,7 @@ def next_layer_attention(sources: Sources) -> torch.Tensor:
         rope = adapter.gather_rope(rope, sequence.positions)
     module = adapter.attention(sources.next_layer)
     normed = adapter.input_norm(sources.next_layer)(hidden)  # [B, S', D]
-    rows = sequence.columns_of_rows(plan.rows).to(hidden.device)  # [B, R]
+    rows = sequence.columns_of_rows(plan.text_rows).to(hidden.device)  # [B, R]
     picked = normed.gather(1, rows[:, :, None].expand(-1, -1, normed.shape[-1]))  # [B, R, D]
     queries, keys = adapter.queries_and_keys(
         module, adapter.query_projection(module)(picked), adapter.key_projection(module)(normed)
@@ -322,7 +335,7 @@ def next_layer_attention(sources: Sources) -> torch.Tensor:
 
 
 def group_attention(
-    attention: torch.Tensor, group: Group, pool_rows: list[PoolRows], config: PruningConfig
+    attention: torch.Tensor, group: PoolGroup, pool_rows: list[PoolRows], config: PruningConfig
 ) -> dict[str, Any]:
     """The ``StageInputs`` attention fields of a group: Q, P and the last row, normalised
     (``scoring.build_evidence``), and the instruction rows for methods that weigh them one by one."""
@@ -375,7 +388,7 @@ def vision_evidence(
     capture: dict[str, torch.Tensor],
     probe: VisionProbe,
     plan: PrefillPlan,
-    group: Group,
+    group: PoolGroup,
     method: MethodInfo,
 ) -> dict[str, torch.Tensor]:
     """What the tower showed of each of the group's tokens when it ran, for the evidence ``method``

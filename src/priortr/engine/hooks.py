@@ -30,8 +30,8 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.continuation import Continuation, split_call
-from priortr.engine.ledger import continue_call, ledger_of, write_ledger
-from priortr.engine.plan import make_plan, skip_prefill
+from priortr.engine.ledger import CacheLedger, continue_call, ledger_of, write_ledger
+from priortr.engine.plan import PrefillPlan, make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.result import PrefillRecord, PruneResult
 from priortr.tensors.host import to_host
@@ -157,52 +157,79 @@ class PruningEngine:
         return self._loss(logits=logits, labels=labels, **kwargs)
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Every call of the multimodal model, as a diagram: a call on a pruned cache continues it (decode
+        steps, later chat turns); a prefill with images is planned, gets its ``Prefill`` and its hooks; any
+        other call runs as it is (None)."""
         call = self.calls.call(args, kwargs)
-        cache = call.cache
-        ledger = ledger_of(cache)
+        ledger = ledger_of(call.cache)
         decode_step = call.new_tokens == 1 and (ledger is not None or not call.has_visual_inputs)
         if decode_step and ledger is None:
             return None  # a decode step on a cache that was not pruned
         # A decode step reads nothing back; a longer call reads a static cache's length (a prefill or turn).
-        empty = not decode_step and (cache is None or compat.cache.length(cache) == 0)
+        empty = not decode_step and (call.cache is None or compat.cache.length(call.cache) == 0)
+        if ledger is not None and not empty:
+            return self._continue(call, ledger)
         if ledger is not None:
-            if not empty:  # a decode step or a later chat turn
-                compat.cache.check_unspoiled(cache)
-                continue_call(ledger, call, self.adapter, self.model, self.config.strict)
-                compat.cache.claim(cache)
-                return call.hook_result()
-            write_ledger(cache, None)  # the cache was reset for a new prompt
+            write_ledger(call.cache, None)  # the cache was reset for a new prompt
         thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
-        if not call.has_visual_inputs:
+        if not (empty and call.has_visual_inputs):
             if empty:
                 skip_prefill(
                     self.config, "the call brings no images, so the prompt has no image tokens to prune"
                 )
-            return None
-        if not empty:
-            return None  # images on a cache this engine did not prune: no prefill to plan
+            return None  # no prefill to plan (images on a cache this engine did not prune run as they are)
+        return self._start_prefill(call, thread)
+
+    def _continue(self, call: compat.calls.ModelCall, ledger: CacheLedger) -> tuple[tuple, dict]:
+        """A decode step or a later chat turn on a pruned cache: the call adjusted by the cache's ledger."""
+        compat.cache.check_unspoiled(call.cache)
+        continue_call(ledger, call, self.adapter, self.model, self.config.strict)
+        compat.cache.claim(call.cache)
+        return call.hook_result()
+
+    def _start_prefill(self, call: compat.calls.ModelCall, thread: int) -> tuple[tuple, dict] | None:
+        """A prefill with images on an empty cache: split off a continuation after the prompt, plan the
+        prompt, make its ``Prefill`` and arm its hooks (None: it runs unpruned)."""
         if call.has_raw_pixels:  # the tower runs inside this call; generate() runs it before
             self._vision_captures.pop(thread, None)
         whole, continuation = call, None
         end = self._prompt_ends.get(thread)
         if end is not None and end < call.new_tokens and call.input_ids is not None:
-            (rest,) = to_host(call.input_ids[:, end:])
-            if self.adapter.visual_items(self.model.config, rest):
-                raise ValueError(
-                    f"the call has image tokens after column {end}, where prompt_ends says its prompt "
-                    "ends: the prompt holds every image, the continuation after it is text"
-                )
-            call, continuation = split_call(call, end, self.model)
+            call, continuation = self._split_prompt(call, end)
         plan = make_plan(self.adapter, self.model, self.config, call, len(self.layers))
         if plan is None:
             return None
+        prefill = self._prefill(plan, thread)
+        self._last = None
+        self._record = prefill.record
+        if not plan.stages:  # nothing to prune: the call runs whole
+            prefill.finish()
+            return whole.hook_result()
+        self._in_flight[thread] = self._arm(prefill, thread, continuation)
+        return call.hook_result()
+
+    def _split_prompt(
+        self, call: compat.calls.ModelCall, end: int
+    ) -> tuple[compat.calls.ModelCall, Continuation]:
+        """The prompt (the first ``end`` columns of ``call``) and the text continuation after it."""
+        (rest,) = to_host(call.input_ids[:, end:])
+        if self.adapter.visual_items(self.model.config, rest):
+            raise ValueError(
+                f"the call has image tokens after column {end}, where prompt_ends says its prompt "
+                "ends: the prompt holds every image, the continuation after it is text"
+            )
+        return split_call(call, end, self.model)
+
+    def _prefill(self, plan: PrefillPlan, thread: int) -> Prefill:
+        """The ``Prefill`` of ``plan``: the vision tower's captures of this thread, the final norm if the
+        method reads it, the model's mask builder, attention layers and local windows."""
         vision = None
         if self.vision is not None:
             vision = (self.vision, self._vision_captures.setdefault(thread, {}))
         norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
-        prefill = Prefill(
+        return Prefill(
             plan,
             self.config,
             self.adapter,
@@ -212,13 +239,6 @@ class PruningEngine:
             self.attention_layers,
             self.windows,
         )
-        self._last = None
-        self._record = prefill.record
-        if not plan.stages:  # nothing to prune: the call runs whole
-            prefill.finish()
-            return whole.hook_result()
-        self._in_flight[thread] = self._arm(prefill, thread, continuation)
-        return call.hook_result()
 
     def _arm(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> list[RemovableHandle]:
         """Hooks for this prefill only, serving only ``thread``: a pre-hook on every layer from the first
@@ -227,7 +247,7 @@ class PruningEngine:
         ``continuation`` of the call, if it has one)."""
         stages = prefill.plan.stages
         armed = []
-        if prefill.input_positions is not None:
+        if prefill.reads_embeddings:
             armed.append(
                 self.layers[0].register_forward_pre_hook(
                     _capture_input(prefill, thread, self.layer_calls), with_kwargs=True

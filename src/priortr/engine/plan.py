@@ -41,33 +41,35 @@ class PoolRows:
     after: torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillPlan:
-    """Everything about one prefill that is known before the first stage, mostly as host values.
+    """Everything about one prefill that is known before the first stage, mostly as host values; made
+    once, by ``plan_prefill``, and never changed (the stages' state is ``priortr.engine.stage.StageState``).
 
-    ``text_positions`` [B, S] are the prompt's text positions as the model numbers them (from the
-    position ids the call passed, else ``0 .. S-1``), ``next_position`` [B] the one after the prompt;
-    ``padded`` says whether any row is left-padded. ``window_start`` [B] (models with local windows) is the
-    text position of each row's first real token: local windows count positions from it (transformers'
-    chunked masks count a row's chunks from its first real token; a sliding window sees the same
-    differences either way).
+    ``pools`` are the visual tokens ranked together as the prompt holds them, before any stage;
+    ``stages`` the scored layers, in order. ``text_positions`` [B, S] are the prompt's text positions as
+    the model numbers them (from the position ids the call passed, else ``0 .. S-1``), ``next_position``
+    [B] the one after the prompt; ``padded`` says whether any row is left-padded. ``window_start`` [B]
+    (models with local windows) is the text position of each row's first real token: local windows count
+    positions from it (transformers' chunked masks count a row's chunks from its first real token; a
+    sliding window sees the same differences either way).
 
     ``visual`` and ``valid`` [B, S] (on the model's device) flag the visual tokens and the non-padding
-    tokens; ``rows`` [B, R] are the absolute positions of the text rows whose attention is recomputed at
-    a scored layer: every non-padding text token of the row from its earliest separator on (0 where a
-    row has fewer; ``pool_rows`` say which entries are real). ``pool_rows`` align with ``pools``.
+    tokens; ``text_rows`` [B, R] are the absolute positions of the text rows whose attention is
+    recomputed at a scored layer: every non-padding text token of the row from its earliest separator on
+    (0 where a row has fewer; ``pool_rows`` say which entries are real). ``pool_rows`` align with ``pools``.
     """
 
     seq: int
-    pools: list[Pool]
-    stages: list[int]
+    pools: tuple[Pool, ...]
+    stages: tuple[int, ...]
     visual: torch.Tensor
     valid: torch.Tensor
     text_tokens: list[int]
     next_position: torch.Tensor
     text_positions: torch.Tensor
     padded: bool
-    rows: torch.Tensor | None = None
+    text_rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
     window_start: torch.Tensor | None = None
 
@@ -100,19 +102,47 @@ def make_plan(
             config, "the model was called with inputs_embeds only, so the image tokens cannot be found"
         )
     batch, seq = input_ids.shape
-    device = input_ids.device
-    valid = compat.masks.padding(call.attention_mask, batch, seq, device)  # [B, S] bool
-    host = plan_on_host(adapter, model.config, config, *to_host(input_ids, valid), n_layers)
-    if host is None:
-        return skip_prefill(config, "the prompt has no image tokens")
+    valid = compat.masks.padding(call.attention_mask, batch, seq, input_ids.device)  # [B, S] bool
     text_positions = adapter.text_positions(model, call.position_ids)
+    plan = plan_prefill(adapter, model.config, config, input_ids, valid, n_layers, text_positions)
+    if plan is None:
+        return skip_prefill(config, "the prompt has no image tokens")
+    return plan
+
+
+def plan_prefill(
+    adapter: FamilyAdapter,
+    model_config: object,
+    config: PruningConfig,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    n_layers: int,
+    text_positions: torch.Tensor | None = None,
+    counts: Sequence[int] | None = None,
+    device: torch.device | None = None,
+) -> PrefillPlan | None:
+    """The plan of a prefill of ``input_ids`` with padding mask ``valid`` [B, S], or None when the prompt
+    has no image tokens: every front end (``priortr.apply``'s hooks, the vLLM plug-in's step) makes its
+    plan here, and only here. ``text_positions`` [B or 1, S] number the prompt (None: ``0 .. S-1``);
+    ``counts`` as for ``plan_on_host``; ``device``: the model's (None: ``input_ids``')."""
+    batch, seq = input_ids.shape
+    device = input_ids.device if device is None else device
+    host = plan_on_host(adapter, model_config, config, *to_host(input_ids, valid), n_layers, counts)
+    if host is None:
+        return None
+    valid = to_device(valid, device)
     if text_positions is None:  # the model numbers the prompt 0 .. S-1, left padding included
-        text_positions = torch.arange(seq, device=device)
-    text_positions = text_positions.expand(batch, seq)
-    next_position = text_positions.amax(dim=-1) + 1
-    plan = PrefillPlan(
+        text_positions = torch.arange(seq, device=device).expand(batch, seq)
+        next_position = torch.full((batch,), seq, device=device)
+    else:
+        text_positions = text_positions.expand(batch, seq)
+        next_position = text_positions.amax(dim=-1) + 1
+    window_start = None
+    if any(compat.layers.windows(model_config.get_text_config())):
+        window_start = text_positions.gather(1, valid.int().argmax(dim=1, keepdim=True))[:, 0]
+    return PrefillPlan(
         seq=seq,
-        pools=[pool.to(device) for pool in host.pools],
+        pools=tuple(pool.to(device) for pool in host.pools),
         stages=host.stages,
         visual=to_device(host.visual, device),
         valid=valid,
@@ -120,25 +150,22 @@ def make_plan(
         next_position=next_position,
         text_positions=text_positions,
         padded=host.padded,
+        text_rows=None if host.text_rows is None else to_device(host.text_rows, device),
         pool_rows=host.pool_rows,
+        window_start=window_start,
     )
-    if any(compat.layers.windows(model.config.get_text_config())):
-        plan.window_start = text_positions.gather(1, valid.int().argmax(dim=1, keepdim=True))[:, 0]
-    if host.rows is not None:
-        plan.rows = to_device(host.rows, device)
-    return plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class HostPlan:
     """The part of a plan computed from the host copy of the prompt (see ``PrefillPlan``)."""
 
     pools: list[Pool]
-    stages: list[int]
+    stages: tuple[int, ...]
     visual: torch.Tensor
     text_tokens: list[int]
     padded: bool
-    rows: torch.Tensor | None = None
+    text_rows: torch.Tensor | None = None
     pool_rows: list[PoolRows] | None = None
 
 
@@ -166,23 +193,29 @@ def plan_on_host(
         visual[item.row, item.positions] = True
     if counts is None:
         pools = make_pools(
-            items, lambda n, part: config.plan(n, n_layers, part), config.multi_image, config.separator_offset
+            items,
+            lambda n, part: config.schedule(n, n_layers, part),
+            config.multi_image,
+            config.separator_offset,
         )
     else:
         fixed = iter(counts)
         pools = make_pools(
             items, lambda n, part: [(config.layer, next(fixed))], config.multi_image, config.separator_offset
         )
-    host = HostPlan(
-        pools=pools,
-        stages=sorted({layer for pool in pools for layer in pool.stages}),
-        visual=visual,
-        text_tokens=(seq - visual.sum(dim=1)).tolist(),
-        padded=not bool(valid.all()),
-    )
+    text_rows, rows_of_pools = None, None
     if config.method.needs & ROW_EVIDENCE:
-        _lay_out_rows(host, visual, valid, config, adapter.separator_token)
-    return host
+        text_rows, rows_of_pools = _lay_out_rows(pools, visual, valid, config, adapter.separator_token)
+    n_visual, n_valid = torch.stack([visual.sum(dim=1), valid.sum(dim=1)]).tolist()  # [B] each, one read
+    return HostPlan(
+        pools=pools,
+        stages=tuple(sorted({layer for pool in pools for layer in pool.stages})),
+        visual=visual,
+        text_tokens=[seq - count for count in n_visual],
+        padded=any(count < seq for count in n_valid),
+        text_rows=text_rows,
+        pool_rows=rows_of_pools,
+    )
 
 
 def skip_prefill(config: PruningConfig, reason: str) -> None:
@@ -194,21 +227,21 @@ def skip_prefill(config: PruningConfig, reason: str) -> None:
 
 
 def _lay_out_rows(
-    host: HostPlan, visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
-) -> None:
-    """The recomputed text rows of every batch row, and where each pool's evidence sits among them."""
+    pools: list[Pool], visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
+) -> tuple[torch.Tensor, list[PoolRows]]:
+    """The recomputed text rows [B, R] of every batch row, and where each pool's evidence sits among them."""
     batch, seq = visual.shape
     first = [seq] * batch
-    for pool in host.pools:
-        _check_separators(pool, visual, valid, config, separator_token)
+    text = (valid & ~visual).tolist()  # [B][S] the real text tokens
+    for pool in pools:
+        _check_separators(pool, text[pool.row], config, separator_token)
         first[pool.row] = min(first[pool.row], *pool.separators)
-    text = (valid & ~visual).tolist()
     rows = [[p for p in range(first[b], seq) if text[b][p]] for b in range(batch)]
     width = max(1, *(len(row) for row in rows))
-    host.rows = torch.zeros(batch, width, dtype=torch.long)
+    text_rows = torch.zeros(batch, width, dtype=torch.long)
     for b, row in enumerate(rows):
-        host.rows[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-    host.pool_rows = [pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in host.pools]
+        text_rows[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return text_rows, [pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in pools]
 
 
 def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> PoolRows:
@@ -229,26 +262,22 @@ def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> P
     return PoolRows(separator_row, posterior, len(rows) - 1, after)
 
 
-def _check_separators(
-    pool: Pool, visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
-) -> None:
-    """Each item's prior slot must be a real text token, and an instruction must follow it."""
-    seq = visual.shape[1]
-    row = pool.row
+def _check_separators(pool: Pool, text: list[bool], config: PruningConfig, separator_token: str) -> None:
+    """Each item's prior slot must be a real text token (``text``: the pool's prompt row, True at its real
+    text tokens), and an instruction must follow it."""
+    seq = len(text)
     for separator in pool.separators:
         if separator >= seq:
             raise ValueError(
                 f"an image ends the prompt: the separator slot ({separator_token}, offset "
                 f"{config.separator_offset}) does not exist. Put the instruction after the image"
             )
-        if not bool(valid[row, separator]) or bool(visual[row, separator]):
+        if not text[separator]:
             raise ValueError(
                 "the separator slot after an image is a padding or visual token; check the attention "
                 "mask and separator_offset"
             )
-    after = max(pool.separators) + 1
-    text = valid[row, after:] & ~visual[row, after:]
-    if config.posterior_rows == "after_separator" and not bool(text.any()):
+    if config.posterior_rows == "after_separator" and not any(text[max(pool.separators) + 1 :]):
         raise ValueError(
             "no instruction token follows the separator, so there is no posterior to score with; put the "
             "question after the image, or use posterior_rows='from_separator'"

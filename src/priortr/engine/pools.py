@@ -10,7 +10,6 @@ budget. A ratio budget is the same ratio of every pool.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -19,12 +18,11 @@ import torch
 from priortr.adapters.base import VisualItem
 from priortr.tensors.host import to_device
 
-MULTI_IMAGE = ("per_image", "global")
 
-
-@dataclass
+@dataclass(frozen=True)
 class Pool:
-    """The visual tokens of one row that are ranked together, as they survive stage after stage.
+    """The visual tokens of one row that are ranked together, as they stand before a stage (a stage's
+    cut makes the narrowed pool, ``kept``).
 
     ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
     position, which of ``items`` it belongs to, and its index among that item's tokens (which the
@@ -52,30 +50,20 @@ class Pool:
             offset=to_device(self.offset, device),
         )
 
-    def keep(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> None:
-        """Keep the surviving tokens, given as their positions, items and offsets (ascending)."""
-        self.positions, self.item_of, self.offset = positions, item_of, offset
-
-
-def split_count(count: int, before: int, size: int, total: int) -> int:
-    """An item's share of a row's ``count`` tokens: the rounded cumulative share of the row's ``total``
-    visual tokens up to its end minus that up to its start, so the shares sum to ``count`` exactly."""
-
-    def cumulative(tokens: int) -> int:
-        return math.floor(count * tokens / total + 0.5)
-
-    return max(1, cumulative(before + size) - cumulative(before))
+    def kept(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> Pool:
+        """The pool of the surviving tokens, given as their positions, items and offsets (ascending)."""
+        return replace(self, positions=positions, item_of=item_of, offset=offset)
 
 
 def make_pools(
     items: Sequence[VisualItem],
-    plan: Callable[[int, tuple[int, int] | None], list[tuple[int, int]]],
+    schedule: Callable[[int, tuple[int, int] | None], list[tuple[int, int]]],
     multi_image: str,
     separator_offset: int,
 ) -> list[Pool]:
-    """Group ``items`` (prompt order) into pools and plan each one's stages.
+    """Group ``items`` (prompt order) into pools, each with its stages.
 
-    ``plan(n, part)`` returns the (layer, kept) stages of a pool of ``n`` tokens; ``part`` is
+    ``schedule(n, part)`` returns the (layer, kept) stages of a pool of ``n`` tokens; ``part`` is
     (tokens of the row's items before it, the row's visual tokens) when a count budget is split.
     """
     rows: dict[int, list[VisualItem]] = {}
@@ -96,7 +84,7 @@ def make_pools(
                     row=row,
                     items=tuple(group),
                     separators=tuple(item.separator + separator_offset for item in group),
-                    stages=dict(plan(size, part)),
+                    stages=dict(schedule(size, part)),
                     positions=torch.cat([item.positions for item in group]),
                     item_of=torch.cat(
                         [torch.full((item.size,), i, device=device) for i, item in enumerate(group)]

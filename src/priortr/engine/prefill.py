@@ -1,9 +1,10 @@
 """One pruned prefill: the stages of a plan, run between decoder layers.
 
 A stage is named by the layer it scores, ``s`` (-1: before the language model), and runs before layer
-``s + 1``: gather evidence -> select -> cut -> record (``run_stage``). Layer ``s`` hands it a
-``ScoredLayer`` (its attention module, RoPE and, through the projection hooks, its queries and keys).
-Layers after the first cut receive RoPE and masks gathered to the kept tokens.
+``s + 1``: one call of the shared stage core (``priortr.engine.stage.run_stage``: gather evidence ->
+select -> cut), then the record (``run_next_stage``). Layer ``s`` hands it a ``ScoredLayer`` (its
+attention module, RoPE and, through the projection hooks, its queries and keys). Layers after the first
+cut receive RoPE and masks gathered to the kept tokens.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.engine.config import BEFORE_LLM, PruningConfig
-from priortr.engine.cut import Decision, cut
-from priortr.engine.evidence import Group, ScoredLayer, Sources, gather, groups
+from priortr.engine.evidence import ScoredLayer, Sources
 from priortr.engine.ledger import CacheLedger, ledger_for
 from priortr.engine.plan import PrefillPlan
 from priortr.engine.result import LayerCache, PrefillRecord
-from priortr.engine.sequence import SequenceMap
-from priortr.methods.selection import StageInputs
-from priortr.methods.value_checks import value_checks_enabled
+from priortr.engine.stage import run_stage
+from priortr.engine.state import StageState
 
 
 class Prefill:
-    """The state of one prefill forward pass, from the model's pre-hook to its last stage."""
+    """One prefill forward pass, from the model's pre-hook to its last stage: its plan, the state its
+    stages have left (``state``, replaced by each stage) and its record."""
 
     def __init__(
         self,
@@ -48,23 +48,19 @@ class Prefill:
         self.attention_layers = attention_layers
         self.windows = windows
         self.final_norm = final_norm
-        self.sequence = SequenceMap(
-            prompt_length=plan.seq,
-            positions=None,
-            visual=plan.visual,
-            valid=plan.valid,
-            filler=None,
-        )
+        self.state = StageState.of_prompt(plan)
         self.pending = list(plan.stages)
         self.scored: ScoredLayer | None = None  # what the next stage's scored layer handed over
         self.embeddings: torch.Tensor | None = None  # [B, S, D] the input of decoder layer 0
         self.cache: Any = None
         self.ledger: CacheLedger | None = None  # written to the cache when the model returns
         self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
-        self.input_positions: list[torch.Tensor] | None = None
-        if "input_embeddings" in config.method.needs:  # pools narrow stage by stage; keep their start
-            self.input_positions = [pool.positions for pool in plan.pools]
         self._layer_inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    @property
+    def reads_embeddings(self) -> bool:
+        """Whether a stage reads the hidden states entering decoder layer 0 (``keep_embeddings``)."""
+        return "input_embeddings" in self.config.method.needs
 
     @property
     def next_stage(self) -> int | None:
@@ -78,8 +74,8 @@ class Prefill:
         if self.next_stage == BEFORE_LLM:
             self.cache = call.cache
         if self.next_stage is not None and self.next_stage + 1 == index:
-            call.hidden = self.run_stage(call.hidden, layer, call.rope)
-        if self.sequence.positions is not None:
+            call.hidden = self.run_next_stage(call.hidden, layer, call.rope)
+        if self.state.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
         if self.next_stage == index:
             self._capture(index, layer, call)
@@ -96,30 +92,28 @@ class Prefill:
         """The hidden states [B, S, D] entering decoder layer 0, before any stage."""
         self.embeddings = hidden
 
-    @torch.no_grad()
-    def run_stage(
+    def run_next_stage(
         self, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
         """The next stage, before ``next_layer`` runs on ``hidden`` [B, S', D] with the prompt's RoPE
-        ``rope`` (not yet gathered): gather evidence -> select -> cut -> record."""
+        ``rope`` (not yet gathered): the stage core, then the record."""
         layer = self.pending.pop(0)
-        decisions = []
-        with value_checks_enabled(self.config.strict):
-            sources = self._sources(layer, hidden, next_layer, rope)
-            for group in groups(self.plan, self.sequence, layer, self.input_positions is not None):
-                inputs = gather(self.config.method.needs, sources, group)
-                decisions.append(self._select(group, inputs))
-            if any(decision.changes for decision in decisions):
-                hidden = self._cut(layer, decisions, hidden)
-        merged = any(decision.selection.merge is not None for decision in decisions)
-        self.record.add_stage(layer, self.plan.pools, merged)
+        project = self.vision[0].projector if self.vision is not None else None
+        sources = self._sources(layer, hidden, next_layer, rope)
+        outcome = run_stage(layer, sources, hidden, self.cache, project)
+        for decision in outcome.decisions:
+            self.record.note_scores(decision.group.pools, decision.evidence, decision.selection.scores)
+        self.record.add_stage(layer, outcome.state.pools, outcome.merged)
+        if outcome.state is not self.state:
+            self._layer_inputs.clear()
+            self.state = outcome.state
         if not self.pending:
             self.finish()
-        return hidden
+        return outcome.hidden
 
     def finish(self) -> None:
         """Close the record and, when the cache was pruned, make its ledger."""
-        sequence = self.sequence
+        sequence = self.state.sequence
         self.record.sequence = sequence
         self.record.pruned = sequence.positions is not None
         self.record.cache = tuple(
@@ -144,7 +138,7 @@ class Prefill:
         """Where the stage scored at ``layer`` reads its evidence."""
         return Sources(
             plan=self.plan,
-            sequence=self.sequence,
+            state=self.state,
             config=self.config,
             hidden=hidden,
             adapter=self.adapter,
@@ -156,30 +150,7 @@ class Prefill:
             vision=self.vision,
             final_norm=self.final_norm,
             embeddings=self.embeddings,
-            input_positions=self.input_positions,
         )
-
-    def _select(self, group: Group, inputs: StageInputs) -> Decision:
-        """The method's selection for ``group``, checked against the group's size."""
-        method = self.config.method
-        selection = method.select(inputs, **self.config.options)
-        if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
-            raise ValueError(
-                f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
-                f"{len(group.pools)} images of {group.size} tokens"
-            )
-        self.record.note_scores(group.pools, inputs.attention, selection.scores)
-        project = self.vision[0].projector if self.vision is not None else None
-        return Decision(group, selection, inputs.hidden, inputs.vision_features, project)
-
-    def _cut(self, layer: int, decisions: list[Decision], hidden: torch.Tensor) -> torch.Tensor:
-        """Apply the stage's ``decisions`` to ``hidden``, the sequence map and the cache of layers
-        ``0 .. layer``; the pools this stage does not rank keep every token."""
-        unranked = [pool for pool in self.plan.pools if layer not in pool.stages]
-        sequence, text_tokens = self.sequence, self.plan.text_tokens
-        hidden = cut(sequence, text_tokens, decisions, unranked, hidden, self.cache, layer + 1)
-        self._layer_inputs.clear()
-        return hidden
 
     def rescale_queries(self, attention: torch.nn.Module, queries: torch.Tensor) -> torch.Tensor | None:
         """The query projection's output [B, S', H * d] of a layer that scales its queries by each one's
@@ -187,7 +158,7 @@ class Prefill:
         factor for kept token i (its place among the kept tokens) becomes the factor of its place in the
         prompt, as in the unpruned model; None (unchanged) before the first cut and for the engine's own
         projection of a few rows (PyramidDrop's next-layer evidence, placed by ``evidence``)."""
-        positions = self.sequence.positions
+        positions = self.state.sequence.positions
         if positions is None or queries.shape[1] != positions.shape[1]:
             return None
         counted = torch.arange(positions.shape[1], device=positions.device)[None]
@@ -209,7 +180,7 @@ class Prefill:
         and kind of layer (a layer without softmax attention takes a padding mask)."""
         rope, mask = call.rope, call.mask
         attention = self.attention_layers is None or index in self.attention_layers
-        positions, filler = self.sequence.positions, self.sequence.filler
+        positions, filler = self.state.sequence.positions, self.state.sequence.filler
         keys = compat.cache.key_length(call.cache, index, positions.shape[1]) if attention else 0
         key = (id(rope), id(mask), attention, keys)
         if key not in self._layer_inputs:

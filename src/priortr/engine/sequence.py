@@ -11,15 +11,16 @@ positions is measurably not equivalent).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from priortr.tensors.host import to_device
 
 
-@dataclass
+@dataclass(frozen=True)
 class SequenceMap:
-    """The current sequence of a prefill, as maps over its columns.
+    """The current sequence of a prefill, as maps over its columns; a cut makes a new one (``kept``).
 
     Attributes:
         positions: [B, S'] the prompt position of each column (the rows of logits a plain forward
@@ -36,7 +37,6 @@ class SequenceMap:
     visual: torch.Tensor
     valid: torch.Tensor
     filler: torch.Tensor | None
-    _column_of: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -47,36 +47,42 @@ class SequenceMap:
         """[G] the batch rows ``rows`` as an index tensor on the device (queued copy)."""
         return to_device(torch.tensor(rows, dtype=torch.long), self.visual.device)
 
+    @classmethod
+    def of_prompt(cls, visual: torch.Tensor, valid: torch.Tensor) -> SequenceMap:
+        """The whole prompt [B, S], before any cut: columns are positions."""
+        return cls(prompt_length=visual.shape[1], positions=None, visual=visual, valid=valid, filler=None)
+
+    @cached_property
     def column_of(self) -> torch.Tensor:
-        """[B, S] the column of every prompt position, -1 where it was dropped."""
-        if self._column_of is None:
-            batch, seq = self.positions.shape[0], self.prompt_length
-            columns = torch.arange(self.width, device=self.positions.device).expand_as(self.positions)
-            out = torch.full((batch, seq), -1, dtype=torch.long, device=self.positions.device)
-            self._column_of = out.scatter(1, self.positions, columns)
-        return self._column_of
+        """[B, S] the column of every prompt position, -1 where it was dropped (made when first read)."""
+        batch, seq = self.positions.shape[0], self.prompt_length
+        columns = torch.arange(self.width, device=self.positions.device).expand_as(self.positions)
+        out = torch.full((batch, seq), -1, dtype=torch.long, device=self.positions.device)
+        return out.scatter(1, self.positions, columns)
 
     def columns(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[G, n] the columns of ``positions`` [G, n] of batch rows ``rows`` [G]."""
         if self.positions is None:
             return positions
-        return self.column_of()[rows[:, None], positions]
+        return self.column_of[rows[:, None], positions]
 
     def columns_of_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, R] the columns of per-row ``positions`` [B, R] (every batch row)."""
         if self.positions is None:
             return positions
-        return self.column_of().gather(1, positions)
+        return self.column_of.gather(1, positions)
 
     def key_valid(self) -> torch.Tensor:
         """[B, S'] the columns a query may attend to: neither padding nor filler."""
         return self.valid if self.filler is None else self.valid & ~self.filler
 
-    def keep(self, index: torch.Tensor, filler: torch.Tensor | None) -> None:
-        """Keep the columns ``index`` [B, S''] (fillers first, then the kept ones ascending); ``filler`` flags
-        the new fillers among them."""
-        self.positions = index if self.positions is None else self.positions.gather(1, index)
-        self.visual = self.visual.gather(1, index)
-        self.valid = self.valid.gather(1, index)
-        self.filler = filler
-        self._column_of = None
+    def kept(self, index: torch.Tensor, filler: torch.Tensor | None) -> SequenceMap:
+        """The sequence of the columns ``index`` [B, S''] (fillers first, then the kept ones ascending);
+        ``filler`` flags the new fillers among them."""
+        return SequenceMap(
+            prompt_length=self.prompt_length,
+            positions=index if self.positions is None else self.positions.gather(1, index),
+            visual=self.visual.gather(1, index),
+            valid=self.valid.gather(1, index),
+            filler=filler,
+        )

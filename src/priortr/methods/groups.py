@@ -1,7 +1,7 @@
 """Merge groups: "this survivor's slot averages these tokens with these weights", turned into a Selection.
 
 Merging methods (VisionZip, PruMerge, SparseVLM, PriorTR+Merging) describe each survivor as a
-:class:`Group`; :func:`merge_plan` and :func:`stack_plans` turn one image's groups into kept indices
+:class:`Group`; :func:`merge_rows` and :func:`stack_merges` turn one image's groups into kept indices
 and merge rows (``Selection.merge``). A merged representative takes the slot of one of its members,
 whose position and cache entries the engine keeps.
 """
@@ -23,7 +23,7 @@ class Group:
         slot: index of the visual token whose position and cache entries the survivor keeps; must be
             one of ``members``.
         members: [M] int64 distinct indices of the merged tokens (a plainly kept token: ``[slot]``).
-        weights: [M] non-negative weights, not all zero; normalised to sum to 1 by :func:`merge_plan`.
+        weights: [M] non-negative weights, not all zero; normalised to sum to 1 by :func:`merge_rows`.
     """
 
     slot: int
@@ -43,7 +43,7 @@ def uniform_group(members: torch.Tensor, slot: int) -> Group:
     return Group(slot, members, weights)
 
 
-def merge_plan(groups: list[Group], n_visual: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_rows(groups: list[Group], n_visual: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept slots [K] (ascending) and merge rows [K, N] (each summing to 1) for one image's groups."""
     groups = sorted(groups, key=lambda group: group.slot)
     slots = [group.slot for group in groups]
@@ -59,10 +59,10 @@ def merge_plan(groups: list[Group], n_visual: int) -> tuple[torch.Tensor, torch.
     return torch.tensor(slots, dtype=torch.int64, device=device), merge
 
 
-def stack_plans(per_image: list[list[Group]], n_visual: int) -> Selection:
+def stack_merges(per_image: list[list[Group]], n_visual: int) -> Selection:
     """Stack each image's groups into a Selection; ``merge`` is None when every group is a plain keep."""
-    plans = [merge_plan(groups, n_visual) for groups in per_image]
-    kept = torch.stack([slots for slots, _ in plans])  # [B, K]
+    merges = [merge_rows(groups, n_visual) for groups in per_image]
+    kept = torch.stack([slots for slots, _ in merges])  # [B, K]
     if all(group.members.numel() == 1 for groups in per_image for group in groups):
         return Selection(kept=kept)
-    return Selection(kept=kept, merge=torch.stack([merge for _, merge in plans]))  # [B, K, N]
+    return Selection(kept=kept, merge=torch.stack([merge for _, merge in merges]))  # [B, K, N]

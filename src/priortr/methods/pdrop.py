@@ -35,15 +35,11 @@ def pyramid_stages(kept: int, n_visual: int, n_layers: int, stages: int = 4) -> 
     return [(first - 1, count) for first, count in zip(firsts, counts, strict=True)]
 
 
-def _pyramid(kept: int, n_visual: int, layer: int, n_layers: int) -> list[tuple[int, int]]:
-    return pyramid_stages(kept, n_visual, n_layers)
-
-
 @register_method(
     "pdrop",
     where="layers",
     needs=("next_attention",),
-    schedule=_pyramid,
+    schedule=pyramid_stages,
     summary="PyramidDrop: last instruction token's attention, several stages of geometric decay",
     source="PyramidDrop, Xing et al., CVPR 2025",
 )
@@ -56,7 +52,7 @@ def _pdrop(inputs: StageInputs) -> Selection:
     "pdrop+priortr",
     where="layers",
     needs=("attention",),
-    schedule=_pyramid,
+    schedule=pyramid_stages,
     summary="PriorTR's score P*log(P/Q) at every stage of PyramidDrop's schedule",
     source="PriorTR (orthogonal to attention pruners, Sec. 1) in PyramidDrop's schedule (CVPR 2025)",
 )

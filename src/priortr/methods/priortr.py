@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from priortr.methods.groups import stack_plans
+from priortr.methods.groups import stack_merges
 from priortr.methods.recycling import check_recycling, recycle_counts, recycle_groups, split_budget
 from priortr.methods.registry import register_method, register_rule
 from priortr.methods.scoring import EPS, Evidence
@@ -28,15 +28,15 @@ def priortr_score(evidence: Evidence) -> torch.Tensor:
     return p * torch.log((p + EPS) / (q + EPS))
 
 
-def _rank_plans(inputs: StageInputs, recycle_ratio: float, tokens_per_cluster: int) -> list[tuple[int, int]]:
+def _rank_splits(inputs: StageInputs, recycle_ratio: float, tokens_per_cluster: int) -> list[tuple[int, int]]:
     """Per image (kept, clusters) with kept = rank of its text-to-visual attention [R, N] (at least 1)."""
     n_visual = inputs.n_visual
-    plans = []
+    splits = []
     for rows in check_text_rows(inputs, "priortr_merge"):
         kept = min(n_visual, max(1, int(torch.linalg.matrix_rank(rows))))
-        plans.append((kept, recycle_counts(n_visual - kept, recycle_ratio, tokens_per_cluster)[1]))
-    same_count([k + c for k, c in plans], "priortr_merge", "adaptive=True (attention rank)")
-    return plans
+        splits.append((kept, recycle_counts(n_visual - kept, recycle_ratio, tokens_per_cluster)[1]))
+    same_count([k + c for k, c in splits], "priortr_merge", "adaptive=True (attention rank)")
+    return splits
 
 
 @register_method(
@@ -80,13 +80,13 @@ def priortr_merge(
     scores = priortr_score(inputs.attention).float()  # [B, N]
     n_visual = inputs.n_visual
     if adaptive:
-        plans = _rank_plans(inputs, recycle_ratio, tokens_per_cluster)
+        splits = _rank_splits(inputs, recycle_ratio, tokens_per_cluster)
     elif budget >= n_visual:
         return keep_all(inputs)
     else:
-        plans = [split_budget(n_visual, budget, recycle_ratio, tokens_per_cluster)] * scores.shape[0]
+        splits = [split_budget(n_visual, budget, recycle_ratio, tokens_per_cluster)] * scores.shape[0]
     rows = [
         recycle_groups(image_scores, hidden, k, c, recycle_ratio=recycle_ratio, clustering=clustering)
-        for image_scores, hidden, (k, c) in zip(scores, inputs.hidden, plans, strict=True)
+        for image_scores, hidden, (k, c) in zip(scores, inputs.hidden, splits, strict=True)
     ]
-    return stack_plans(rows, n_visual)
+    return stack_merges(rows, n_visual)

@@ -40,8 +40,8 @@ NEEDS = (
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
 """A scoring rule: evidence -> scores [B, N] float32, higher = keep."""
-Schedule = Callable[[int, int, int, int], list[tuple[int, int]]]
-"""(K, N, layer, n_layers) -> [(0-indexed scored layer, visual tokens kept after it), ...]."""
+Schedule = Callable[[int, int, int], list[tuple[int, int]]]
+"""(K, N, n_layers) -> [(0-indexed scored layer, visual tokens kept after it), ...]."""
 
 
 @dataclass(frozen=True)

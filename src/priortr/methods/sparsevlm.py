@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from priortr.methods.groups import stack_plans
+from priortr.methods.groups import stack_merges
 from priortr.methods.recycling import check_recycling, recycle_counts, recycle_groups, split_budget
 from priortr.methods.registry import register_method
 from priortr.methods.selection import Selection, StageInputs, keep_all
@@ -61,10 +61,6 @@ def sparsevlm_stages(budget: int, n_visual: int, n_layers: int) -> list[tuple[in
             f"sparsevlm needs at least 4 decoder layers for its 3 pruning stages, the model has {n_layers}"
         )
     return list(zip(layers, counts, strict=True))
-
-
-def _schedule(kept: int, n_visual: int, layer: int, n_layers: int) -> list[tuple[int, int]]:
-    return sparsevlm_stages(kept, n_visual, n_layers)
 
 
 RECYCLING = ("on_top", "in_budget")
@@ -129,7 +125,7 @@ def _check_inputs(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor, torc
     "sparsevlm",
     where="layers",
     needs=("attention", "text_rows", "input_embeddings"),
-    schedule=_schedule,
+    schedule=sparsevlm_stages,
     summary="attention of text raters, with pruned tokens recycled by clustering and merging",
     source="SparseVLM, Zhang et al., ICML 2025",
 )
@@ -178,11 +174,11 @@ def sparsevlm(
         n_kept, n_clusters = budget, recycle_counts(n_visual - budget, recycle_ratio, tokens_per_cluster)[1]
     else:
         n_kept, n_clusters = split_budget(n_visual, budget, recycle_ratio, tokens_per_cluster)
-    plans = [
+    merges = [
         recycle_groups(
             image_scores, hidden, n_kept, n_clusters, recycle_ratio=recycle_ratio, clustering=clustering
         )
         for image_scores, hidden in zip(scores, inputs.hidden, strict=True)
     ]
-    selection = stack_plans(plans, n_visual)
+    selection = stack_merges(merges, n_visual)
     return Selection(kept=selection.kept, merge=selection.merge, scores=scores)

@@ -320,7 +320,7 @@ class Bench:
             pruning = priortr.apply(
                 self.model, method=method, budget=budget, layer=layer, options=self.options
             )
-            stages = pruning.config.plan(
+            stages = pruning.config.schedule(
                 self.n_visual, len(adapter_for(self.model).decoder_layers(self.model))
             )
         clock_ref = [Clock(self.model.device)]

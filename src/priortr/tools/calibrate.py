@@ -324,7 +324,7 @@ class Calibrator:
                 n_visual = (inputs["input_ids"] == image_token).sum(1).tolist()
                 n_text = inputs["attention_mask"].sum(1).tolist()
                 for visual, total in zip(n_visual, n_text, strict=True):
-                    stages = handle.config.plan(visual, self.n_layers)
+                    stages = handle.config.schedule(visual, self.n_layers)
                     flops += scheduled_prefill_flops(self.model.config, total - visual, visual, stages)
                     flops_full += scheduled_prefill_flops(self.model.config, total - visual, visual, [])
                 start += len(batch)

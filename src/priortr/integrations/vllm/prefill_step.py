@@ -3,11 +3,12 @@ whole, score with the library's method, keep K tokens per image.
 
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
-through layers 0..L once, as one causal sequence outside the paged cache; layer L's attention rows
-(``priortr.engine.attention.attention_rows``) feed the method through the same evidence code as
-``priortr.apply`` (``priortr.engine.evidence``). What survives is the prompt's text and the kept visual
-tokens, exactly as many as the scheduled rows: their keys/values of layers 0..L, their hidden state after
-layer L and their original positions.
+through layers 0..L once, as one causal sequence outside the paged cache; the prompt is planned by the
+library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's attention rows
+(``priortr.engine.attention.attention_rows``) feed the stage core ``priortr.apply`` runs
+(``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
+prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
+layers 0..L, their hidden state after layer L and their original positions.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 from priortr.adapters import FamilyAdapter
 from priortr.engine.attention import RowSpec, attention_rows
 from priortr.engine.config import PruningConfig
-from priortr.engine.evidence import Sources, gather, groups
-from priortr.engine.plan import PrefillPlan, plan_on_host
-from priortr.engine.sequence import SequenceMap
+from priortr.engine.evidence import Sources
+from priortr.engine.plan import plan_prefill
+from priortr.engine.stage import run_stage
+from priortr.engine.state import StageState
 from priortr.integrations.vllm.decoder import LayerParts
 from priortr.integrations.vllm.positions import image_positions
 
@@ -184,8 +186,7 @@ def prefill_prompt(
         keys.append(k)
         values.append(v)
         hidden, residual = parts.output(parts.causal_attention(q, k, v), residual)
-    kept = _select(prompt, q, k, hidden + residual, layers[-1], config, adapter, hf_config, len(layers))
-    keep = torch.cat([prompt.text_columns.to(device), kept]).sort().values  # [P] surviving columns
+    keep = _survivors(prompt, q, k, hidden + residual, layers[-1], config, adapter, hf_config, len(layers))
     if keep.shape[0] != prompt.length:
         raise RuntimeError(f"priortr: kept {keep.shape[0]} tokens for a prompt of {prompt.length} slots")
     return KeptPrompt(
@@ -197,7 +198,7 @@ def prefill_prompt(
     )
 
 
-def _select(
+def _survivors(
     prompt: PrunedPrompt,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -208,39 +209,23 @@ def _select(
     hf_config: object,
     n_scored: int,
 ) -> torch.Tensor:
-    """The kept visual tokens' columns in the full prompt, chosen by ``config``'s method from layer
-    L's queries/keys (after RoPE) and output, exactly as ``priortr.apply`` chooses them."""
+    """The surviving columns [P] of the full prompt (its text and the kept visual tokens, ascending),
+    chosen by ``config``'s method from layer L's queries/keys (after RoPE) and output through the stage
+    core ``priortr.apply`` runs."""
     device = q.device
-    ids = torch.tensor([prompt.token_ids])
+    ids = torch.tensor([prompt.token_ids])  # on the host, where the plan is made
     valid = torch.ones_like(ids, dtype=torch.bool)
     n_layers = hf_config.get_text_config().num_hidden_layers
-    host = plan_on_host(adapter, hf_config, config, ids, valid, n_layers, counts=prompt.counts)
-    if host is None or config.layer != n_scored - 1:
+    plan = plan_prefill(adapter, hf_config, config, ids, valid, n_layers, counts=prompt.counts, device=device)
+    if plan is None or plan.stages != (config.layer,) or config.layer != n_scored - 1:
         raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
-    plan = PrefillPlan(
-        seq=ids.shape[1],
-        pools=[pool.to(device) for pool in host.pools],
-        stages=host.stages,
-        visual=host.visual.to(device),
-        valid=valid.to(device),
-        text_tokens=host.text_tokens,
-        next_position=torch.tensor([ids.shape[1]], device=device),
-        text_positions=torch.arange(ids.shape[1], device=device)[None],  # one unpadded prompt, 0 .. S-1
-        padded=False,
-        rows=host.rows.to(device),
-        pool_rows=host.pool_rows,
-    )
-    sequence = SequenceMap(
-        prompt_length=plan.seq, positions=None, visual=plan.visual, valid=plan.valid, filler=None
-    )
-    queries = parts.heads_view(q, parts.heads).index_select(2, plan.rows[0])  # [1, H, R, d]
+    queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, H, R, d]
     attention = attention_rows(
-        queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.rows, plan.valid), parts.scaling
+        queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.text_rows, plan.valid), parts.scaling
     )  # [1, H, R, S]
-    sources = Sources(plan, sequence, config, hidden=output[None], attention=attention)
-    kept = []
-    for group in groups(plan, sequence, config.layer):
-        inputs = gather(config.method.needs, sources, group)
-        selection = config.method.select(inputs, **config.options)
-        kept.append(group.positions.gather(1, selection.kept).flatten())
-    return torch.cat(kept)
+    state = StageState.of_prompt(plan)
+    sources = Sources(plan, state, config, hidden=output[None], attention=attention)
+    outcome = run_stage(config.layer, sources, output[None])
+    if outcome.state is state:  # every visual token kept
+        return torch.arange(plan.seq, device=device)
+    return outcome.state.sequence.positions[0]
