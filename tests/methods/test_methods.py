@@ -56,7 +56,7 @@ def test_selections_match_staged_reference(family, method, budget, extra):
         result = handle.last
         out = generate(model, batch)
     k = result.kept.shape[1]
-    assert k == priortr.methods.scoring.resolve_budget(budget, batch.n_visual)
+    assert k == priortr.engine.config.resolve_budget(budget, batch.n_visual)
     assert logits.shape[1] == batch.seq_len - batch.n_visual + k
     assert int(out.past_key_values.get_seq_length()) == batch.seq_len - batch.n_visual + k + NEW_TOKENS - 1
     for cache_layer in out.past_key_values.layers:  # text + K in every layer, whatever the stage

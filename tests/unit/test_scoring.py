@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from priortr.engine.config import resolve_budget
 from priortr.methods import available_rules, get_rule, register_rule
 from priortr.methods.scoring import (
     EPS,
@@ -15,7 +16,6 @@ from priortr.methods.scoring import (
     aggregate_heads,
     build_evidence,
     l1_normalise,
-    resolve_budget,
     select_top_k,
 )
 

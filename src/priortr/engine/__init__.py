@@ -5,13 +5,15 @@ in the order a prefill meets them:
 
 * ``hooks``: the wiring. One permanent pre-hook on the multimodal model; per-layer hooks are armed for
   a pruned prefill only, so decode steps run none.
-* ``plan``: the prefill's plan, made on the host from one copy of the prompt: images, pools, budgets,
-  the attention rows to recompute.
-* ``prefill``: the stages, between decoder layers; each reads gather evidence -> select -> cut.
+* ``plan``: the prefill's plan, made on the host from one copy of the prompt (images, pools, budgets,
+  the attention rows to recompute) by its one constructor, and frozen.
+* ``prefill``: the stages, between decoder layers, and their record.
+* ``stage``: one stage, values in and values out (gather evidence -> select -> cut), the core the vLLM
+  plug-in runs too; ``state``: what the stages so far left (pools, sequence map).
 * ``evidence``: what a selector sees (``StageInputs``): recomputed attention rows (Q, P, last row),
   hidden states, the vision tower's [CLS] attention, keys and features (``VISION_NEEDS``).
-* ``cut``: hidden states, sequence map and KV cache narrowed to the kept tokens; ``sequence``: the map
-  between prompt positions and current columns.
+* ``cut``: new hidden states, pools and sequence map of the kept tokens, the KV cache compacted;
+  ``sequence``: the map between prompt positions and current columns.
 * ``ledger``: what later calls (decode steps, chat turns) need to continue a pruned cache.
 * ``result``: ``handle.last`` (``PruneResult``), assembled when read.
 

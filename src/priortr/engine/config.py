@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from priortr.methods import MethodInfo, get_method
 from priortr.methods.scoring import HEAD_AGGREGATIONS as HEAD_AGGREGATIONS
-from priortr.methods.scoring import resolve_budget
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +154,36 @@ def _check_setting(name: str, value: Any) -> None:
 def is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_budget(budget: int | float, n_visual: int) -> int:
+    """Turn a budget into a token count K with 1 <= K <= n_visual.
+
+    An int is an absolute count K (capped at ``n_visual``); a float in (0, 1) is a keep ratio rounded half
+    up, with at least one token kept. Anything else is rejected with a message saying what to pass.
+    """
+    if isinstance(n_visual, bool) or not isinstance(n_visual, int) or n_visual < 1:
+        raise ValueError(f"n_visual must be an int >= 1, got {n_visual!r}")
+    if isinstance(budget, bool):
+        raise ValueError(
+            f"budget must not be a bool ({budget!r}); pass an int for a token count, or a ratio in (0, 1)"
+        )
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be a positive token count, got {budget}; pass an int >= 1")
+        return min(budget, n_visual)
+    if isinstance(budget, float):
+        if math.isnan(budget):
+            raise ValueError("budget is NaN; pass an int for a token count, or a ratio in (0, 1)")
+        if not 0.0 < budget < 1.0:
+            raise ValueError(
+                f"float budget {budget!r} is not a ratio; pass an int for a token count, or a ratio in (0, 1)"
+            )
+        return max(1, math.floor(budget * n_visual + 0.5))
+    raise ValueError(
+        f"budget must be int or float, got {type(budget).__name__}; "
+        "pass an int for a token count, or a ratio in (0, 1)"
+    )
 
 
 def split_count(count: int, before: int, size: int, total: int) -> int:

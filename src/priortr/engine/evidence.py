@@ -15,7 +15,8 @@ of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its 
 * input embeddings (``input_embeddings``): the hidden states that entered decoder layer 0 (SparseVLM's
   raters weigh the prompt's text against the image there).
 
-Pools with the same size and budget at a stage form one ``PoolGroup``: one selector call ranks them all.
+Pools with the same size and budget at a stage form one ``PoolGroup`` (``priortr.engine.stage.groups``):
+one selector call ranks them all.
 Nothing here edits what it reads: the attention rows a stage's groups share are computed once, when the
 first group reads them (``Sources.text_attention``).
 """
@@ -41,6 +42,7 @@ from priortr.engine.state import StageState
 from priortr.methods import MethodInfo
 from priortr.methods.scoring import aggregate_heads, build_evidence
 from priortr.methods.value_checks import value_checks
+from priortr.tensors.gathers import stack_views
 from priortr.tensors.host import to_device
 
 
@@ -125,42 +127,6 @@ class PoolGroup:
         return self.positions.shape[1]
 
 
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack``, as a free view when there is one tensor."""
-    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
-
-
-def groups(state: StageState, layer: int, by_input_size: bool = False) -> list[PoolGroup]:
-    """The pools that stage ``layer`` ranks, grouped by (size, budget), and by their size at the input
-    too when ``by_input_size`` (methods that read every input token of an image)."""
-    sequence = state.sequence
-    by_key: dict[tuple[int, int, int], list[int]] = {}
-    for index, pool in enumerate(state.pools):
-        if layer in pool.stages:
-            input_size = sum(item.size for item in pool.items) if by_input_size else 0
-            by_key.setdefault((pool.size, min(pool.stages[layer], pool.size), input_size), []).append(index)
-    out = []
-    for (_, budget, _), indices in by_key.items():
-        pools = [state.pools[i] for i in indices]
-        rows = [pool.row for pool in pools]
-        row_index = sequence.row_index(rows)  # [G]
-        positions = _stack([pool.positions for pool in pools])  # [G, n]
-        out.append(
-            PoolGroup(
-                pools=pools,
-                indices=indices,
-                budget=budget,
-                row_list=rows,
-                rows=row_index,
-                positions=positions,
-                item_of=_stack([pool.item_of for pool in pools]),
-                offset=_stack([pool.offset for pool in pools]),
-                columns=sequence.columns(row_index, positions),
-            )
-        )
-    return out
-
-
 Gatherer = Callable[[Sources, PoolGroup], dict[str, Any]]
 """A function of one kind of evidence: the ``StageInputs`` fields it gives ``group``."""
 
@@ -235,7 +201,7 @@ def embedding_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tens
         )
     rows = group.rows.to(embeddings.device)  # [G]
     text = plan.text_rows.to(embeddings.device).index_select(0, rows)  # [G, R] absolute positions
-    visual = _stack([plan.pools[i].positions for i in group.indices]).to(embeddings.device)  # [G, N0]
+    visual = stack_views([plan.pools[i].positions for i in group.indices]).to(embeddings.device)  # [G, N0]
     return {
         "text_embeddings": embeddings[rows[:, None], text],  # [G, R, D]
         "text_after": _text_after(plan, group, embeddings.device),
@@ -254,7 +220,7 @@ GATHERERS: dict[frozenset[str], Gatherer] = {
 
 def _text_after(plan: PrefillPlan, group: PoolGroup, device: torch.device) -> torch.Tensor:
     """[G, R] bool: the text rows from each pool's last separator on (the text after its items)."""
-    return to_device(_stack([plan.pool_rows[i].after for i in group.indices]), device)
+    return to_device(stack_views([plan.pool_rows[i].after for i in group.indices]), device)
 
 
 def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
@@ -357,7 +323,7 @@ def group_attention(
             prior[g] = per_item_prior(prior[g], group.item_of[g].to(device), len(pool.items))
     last = to_device(torch.tensor([rows.last for rows in pool_rows]), device)
     last_row = visual.gather(2, last[:, None, None, None].expand(-1, heads, 1, size)).squeeze(2)  # [G, H, n]
-    valid = to_device(_stack([rows.posterior for rows in pool_rows]), device)  # [G, R]
+    valid = to_device(stack_views([rows.posterior for rows in pool_rows]), device)  # [G, R]
     fields: dict[str, Any] = {
         "attention": build_evidence(prior, visual, valid, last_row, heads=config.heads, seed=config.seed),
         "text_valid": valid,

@@ -20,10 +20,11 @@ import torch
 
 from priortr.engine.config import PruningConfig
 from priortr.engine.cut import Decision, cut
-from priortr.engine.evidence import PoolGroup, Sources, gather, groups
+from priortr.engine.evidence import PoolGroup, Sources, gather
 from priortr.engine.state import StageState
 from priortr.methods.selection import StageInputs
 from priortr.methods.value_checks import value_checks_enabled
+from priortr.tensors.gathers import stack_views
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,37 @@ def run_stage(
         if any(decision.changes for decision in decisions):
             hidden, state = cut(state, layer, sources.plan.text_tokens, decisions, hidden, cache)
     return StageOutcome(layer, decisions, state, hidden)
+
+
+def groups(state: StageState, layer: int, by_input_size: bool = False) -> list[PoolGroup]:
+    """The pools that stage ``layer`` ranks, grouped by (size, budget), and by their size at the input
+    too when ``by_input_size`` (methods that read every input token of an image)."""
+    sequence = state.sequence
+    by_key: dict[tuple[int, int, int], list[int]] = {}
+    for index, pool in enumerate(state.pools):
+        if layer in pool.stages:
+            input_size = sum(item.size for item in pool.items) if by_input_size else 0
+            by_key.setdefault((pool.size, min(pool.stages[layer], pool.size), input_size), []).append(index)
+    out = []
+    for (_, budget, _), indices in by_key.items():
+        pools = [state.pools[i] for i in indices]
+        rows = [pool.row for pool in pools]
+        row_index = sequence.row_index(rows)  # [G]
+        positions = stack_views([pool.positions for pool in pools])  # [G, n]
+        out.append(
+            PoolGroup(
+                pools=pools,
+                indices=indices,
+                budget=budget,
+                row_list=rows,
+                rows=row_index,
+                positions=positions,
+                item_of=stack_views([pool.item_of for pool in pools]),
+                offset=stack_views([pool.offset for pool in pools]),
+                columns=sequence.columns(row_index, positions),
+            )
+        )
+    return out
 
 
 def decide(

@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from priortr.methods.scoring import Evidence
-from priortr.methods.selection import Selection, StageInputs, top_k
+from priortr.methods.scoring import Evidence, select_top_k
+from priortr.methods.selection import Selection, StageInputs
 
 WHERE = ("vision", "layer", "layers")
 DEFAULT_LAYER = 2
@@ -135,7 +135,9 @@ def register_method(
 
 
 def _rule_selector(rule: Rule, inputs: StageInputs) -> Selection:
-    return top_k(rule(inputs.attention), inputs.budget)
+    """The ``inputs.budget`` highest scores of ``rule`` (paper Eq. (8) for PriorTR)."""
+    scores = rule(inputs.attention)
+    return Selection(kept=select_top_k(scores, inputs.budget), scores=scores)
 
 
 def register_rule(

@@ -8,12 +8,12 @@ Pure tensor functions, independent of any model library. The flow follows the pa
    last-prompt-token row used by FastV.
 2. A scoring rule (``priortr.methods``, e.g. ``methods/priortr.py`` for Eq. (8)) maps that evidence to
    per-token scores.
-3. :func:`resolve_budget` and :func:`select_top_k` turn the scores into the indices that are kept.
+3. :func:`select_top_k` turns the scores into the indices that are kept (the budget is a count by then:
+   ``priortr.engine.config.resolve_budget``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -167,36 +167,6 @@ def build_evidence(
         posterior=l1_normalise(posterior),
         last=l1_normalise(last),
         seed=seed,
-    )
-
-
-def resolve_budget(budget: int | float, n_visual: int) -> int:
-    """Turn a budget into a token count K with 1 <= K <= n_visual.
-
-    An int is an absolute count K (capped at ``n_visual``); a float in (0, 1) is a keep ratio rounded half
-    up, with at least one token kept. Anything else is rejected with a message saying what to pass.
-    """
-    if isinstance(n_visual, bool) or not isinstance(n_visual, int) or n_visual < 1:
-        raise ValueError(f"n_visual must be an int >= 1, got {n_visual!r}")
-    if isinstance(budget, bool):
-        raise ValueError(
-            f"budget must not be a bool ({budget!r}); pass an int for a token count, or a ratio in (0, 1)"
-        )
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be a positive token count, got {budget}; pass an int >= 1")
-        return min(budget, n_visual)
-    if isinstance(budget, float):
-        if math.isnan(budget):
-            raise ValueError("budget is NaN; pass an int for a token count, or a ratio in (0, 1)")
-        if not 0.0 < budget < 1.0:
-            raise ValueError(
-                f"float budget {budget!r} is not a ratio; pass an int for a token count, or a ratio in (0, 1)"
-            )
-        return max(1, math.floor(budget * n_visual + 0.5))
-    raise ValueError(
-        f"budget must be int or float, got {type(budget).__name__}; "
-        "pass an int for a token count, or a ratio in (0, 1)"
     )
 
 

@@ -17,3 +17,8 @@ def gather_sequence(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch
     full = list(x.shape)
     full[dim] = index.shape[1]
     return x.gather(dim, index.view(shape).expand(full))
+
+
+def stack_views(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack``, as a free view when there is one tensor."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)

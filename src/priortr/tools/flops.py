@@ -53,10 +53,10 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr import compat
+from priortr.engine.config import resolve_budget
 from priortr.methods import get_method
 from priortr.methods.pdrop import pyramid_stages
 from priortr.methods.registry import DEFAULT_LAYER
-from priortr.methods.scoring import resolve_budget
 from priortr.tools.configs import load_config
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")

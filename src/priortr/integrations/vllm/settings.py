@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from priortr.engine.config import PruningConfig
-from priortr.methods.scoring import resolve_budget
+from priortr.engine.config import PruningConfig, resolve_budget
 
 SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""
