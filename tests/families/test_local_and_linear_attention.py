@@ -17,12 +17,12 @@ import priortr
 from priortr import compat
 from priortr.tools import overhead
 from tests.helpers.families import FAMILIES, skip_unless_stock_runs_static
-from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for
+from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for, row_alone
 from tests.helpers.tiny import Batch
 from tests.helpers.tiny_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
-from tests.helpers.tiny_gemma3 import gemma3_batch, tiny_gemma3
+from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_ragged_batch, tiny_gemma3
 from tests.helpers.tiny_llama4 import llama4_batch, tiny_llama4
-from tests.helpers.tiny_mistral3 import mistral3_batch, tiny_mistral3
+from tests.helpers.tiny_mistral3 import mistral3_batch, mistral3_ragged_batch, tiny_mistral3
 from tests.helpers.tiny_qwen3_5 import FULL_ATTENTION_LAYERS, tiny_qwen3_5
 from tests.helpers.tiny_qwen3_vl import qwen3_vl_batch
 
@@ -147,6 +147,45 @@ def test_decoding_across_the_window_edge_matches_the_reference(name, cache):
     with torch.no_grad():
         stock = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
     assert (torch.stack(stock.logits) - torch.stack(out.logits)).abs().max() > 1e-6
+
+
+RAGGED = {
+    "gemma3, one image and two": (tiny_gemma3, gemma3_ragged_batch),
+    "mistral3, every layer sliding": (lambda: tiny_mistral3(sliding_window=12), mistral3_ragged_batch),
+}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", RAGGED)
+def test_ragged_rows_decode_across_the_window_as_each_row_alone(name, cache):
+    """Rows with different visual-token counts pruned to different lengths (the shorter row gets fillers),
+    a window shorter than the prompt (a static cache's window layers hold fewer slots than the pruned
+    prompt): every row's ten greedy tokens and their logits equal that row's, run alone."""
+    build, make_batch = RAGGED[name]
+    model = build()
+    batch = make_batch(model, 2)
+    rows = [row_alone(batch, row) for row in range(batch.batch_size)]
+
+    def decode(inputs):
+        options = {"output_logits": True, "return_dict_in_generate": True, "cache_implementation": cache}
+        steps = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+        return model.generate(**inputs, **steps, **options)
+
+    with torch.no_grad():
+        stock = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
+        stock_alone = [decode(inputs) for inputs in rows]
+    with priortr.apply(model, budget=0.4, layer=1) as handle, torch.no_grad():
+        out = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
+        assert bool(handle.last.padding.any()), "the rows must be pruned to different lengths"
+        alone = [decode(inputs) for inputs in rows]
+    logits = torch.stack(out.logits)  # [T, B, V]
+    for row in range(batch.batch_size):
+        # The stock model's own batch-vs-row difference bounds how closely a row can match.
+        noise = (torch.stack(stock_alone[row].logits)[:, 0] - torch.stack(stock.logits)[:, row]).abs().max()
+        atol = max(logits_atol(model), 4 * float(noise))
+        assert torch.equal(out.sequences[row, -NEW_TOKENS:], alone[row].sequences[0, -NEW_TOKENS:])
+        torch.testing.assert_close(logits[:, row], torch.stack(alone[row].logits)[:, 0], atol=atol, rtol=0)
+        assert (torch.stack(stock.logits)[:, row] - logits[:, row]).abs().max() > 1e-6
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
