@@ -208,6 +208,8 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[
     if unknown:
         known = ", ".join(f"{name}={default!r}" for name, default in info.knobs.items()) or "none"
         raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
+    if info.check_knobs is not None:
+        info.check_knobs(**{**info.knobs, **options})
     return options
 
 
