@@ -10,6 +10,8 @@ model and the reference that runs each layer on the pruned sequence (``tests/hel
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -93,6 +95,35 @@ def test_prior_and_posterior_are_the_scored_layers_own_attention(family, layer):
         visual, separator, _ = _separator_and_rows(batch, 0)
         outside = visual <= separator - window.size
         assert outside.any() and (result.prior[0][outside] == 0).all()
+
+
+def test_scores_without_evidence_warn_once_and_strict_names_the_fix():
+    """FastV at Gemma 3's sliding layer 1: row 1's last token is farther from the image than the window, so
+    its scores are NaN and the image's first tokens are kept. Before: silently (strict=True said only
+    "cannot L1-normalise 1 row(s)"); now one warning per attach, after generate() or when ``last`` is
+    read, and strict=True names the fix. Scored at the global layer 2 the same prompts warn nothing."""
+    model = tiny_gemma3(dtype=torch.float32)
+    batch = gemma3_batch(model, 2)
+    budget = batch.n_visual - 4
+    fix = "score a layer that attends to the image"
+    with priortr.apply(model, method="fastv", budget=budget, layer=1) as handle, torch.no_grad():
+        with pytest.warns(priortr.DegenerateScoresWarning, match=f"fastv ranked an image .* {fix}"):
+            generate(model, batch, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            generate(model, batch, 2)  # once per attach
+        assert handle.last.scores[1].isnan().all() and not handle.last.scores[0].isnan().any()
+    with priortr.apply(model, method="fastv", budget=budget, layer=1) as handle, torch.no_grad():
+        model(**batch.kwargs())  # a forward call: read with handle.last
+        with pytest.warns(priortr.DegenerateScoresWarning, match=fix):
+            assert handle.last is not None
+    global_layer = priortr.apply(model, method="fastv", budget=budget, layer=2)
+    with global_layer, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, batch, 2)
+    strict = priortr.apply(model, method="fastv", budget=budget, layer=1, strict=True)
+    with strict, torch.no_grad(), pytest.raises(ValueError, match=f"cannot L1-normalise 1 row.*{fix}"):
+        model(**batch.kwargs())
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -230,9 +261,10 @@ def test_a_decode_step_reads_nothing_back(family, cache):
     if cache == "static":
         skip_unless_stock_runs_static(model)
     batch = FAMILIES[family][1](model, 1)
-    vanilla = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)[-1]
+    vanilla = overhead.decode_step(overhead.count_generate(model, batch.kwargs(), cache_implementation=cache))
     with priortr.apply(model, budget=4, layer=1):
-        prefill, *_, decode = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)
+        calls = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)
+    prefill, decode = calls[0], overhead.decode_step(calls)
     adapter = priortr.adapters.adapter_for(model)
     layers = adapter.decoder_layers(model)
     placed = sum(

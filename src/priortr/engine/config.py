@@ -32,6 +32,10 @@ class PruningSkippedWarning(UserWarning):
     """A forward pass ran unpruned because its prompt has nothing to prune."""
 
 
+class DegenerateScoresWarning(UserWarning):
+    """A method ranked an image on scores that are NaN or all zero, so its kept tokens are not a ranking."""
+
+
 @dataclass(frozen=True)
 class PruningConfig:
     """What to prune and how; made and checked by ``PruningConfig.of``.
