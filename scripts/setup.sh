@@ -9,19 +9,47 @@
 #   bash scripts/setup.sh --floor    .venv-floor: the oldest supported transformers (constraints/floor.txt),
 #                                    for the engine, families and methods suites (scripts/test.sh --floor);
 #                                    with --latest, everything but transformers resolves afresh
+#   bash scripts/setup.sh --torch-floor    .venv-torch-floor: the oldest supported torch (2.11.0, the
+#                                    accelerator image's; its Linux wheel is a CUDA build, which runs on CPU)
+#   bash scripts/setup.sh --torch-newest   .venv-torch-newest: the newest torch these machines allow (2.14.1,
+#                                    with its torchvision 0.29.1)
+#                                    both for the engine, families and methods suites (scripts/test.sh
+#                                    --torch-floor / --torch-newest), on transformers as the lock has it (or
+#                                    as pip resolves it, with --latest)
 #
-# torch is pinned to 2.13.0 throughout, so that pip takes the local CPU wheel on the project's machines
+# torch is pinned to 2.13.0 elsewhere, so that pip takes the local CPU wheel on the project's machines
 # instead of pulling CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-latest=0 floor=0
+latest=0 floor=0 torch_range=""
 for arg in "$@"; do
   case "$arg" in
     --latest) latest=1 ;;
     --floor) floor=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--latest] [--floor]" >&2; exit 2 ;;
+    --torch-floor) torch_range=floor ;;
+    --torch-newest) torch_range=newest ;;
+    *) echo "usage: bash scripts/setup.sh [--latest] [--floor | --torch-floor | --torch-newest]" >&2; exit 2 ;;
   esac
 done
+if [ -n "$torch_range" ]; then
+  # The ends of the supported torch range (pyproject.toml): the core suites' packages, the tested lock
+  # without its torch line.
+  venv=".venv-torch-$torch_range"
+  torch_pins=("torch==2.11.0")
+  [ "$torch_range" = newest ] && torch_pins=("torch==2.14.1" "torchvision==0.29.1")
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
+  "${pip[@]}" install --upgrade pip
+  constraints=()
+  if [ "$latest" = 0 ]; then
+    grep -v '^torch==' constraints/tested.txt > "$venv/lock.txt"
+    constraints=(-c "$venv/lock.txt")
+  fi
+  "${pip[@]}" install "${constraints[@]}" -e ".[dev]" "${torch_pins[@]}" accelerate
+  "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  exit 0
+fi
 TORCH="torch==2.13.0"
 if [ "$floor" = 1 ]; then venv=.venv-floor lock=constraints/floor.txt; else venv=.venv lock=constraints/tested.txt; fi
 constraints=()

@@ -3,14 +3,21 @@
 #   bash scripts/test.sh [PYTEST ARGS]   the whole suite (or what the arguments select)
 #   bash scripts/test.sh --floor         the engine, families and methods suites on the oldest supported
 #                                        transformers (.venv-floor; set up with scripts/setup.sh --floor)
+#   bash scripts/test.sh --torch-floor   the same suites on the oldest supported torch (.venv-torch-floor)
+#   bash scripts/test.sh --torch-newest  the same suites on the newest torch tested (.venv-torch-newest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${1:-}" = "--floor" ]; then
-  shift
-  [ -x .venv-floor/bin/pytest ] || bash scripts/setup.sh --floor
-  .venv-floor/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-  exec .venv-floor/bin/pytest tests/engine tests/families tests/methods "$@"
-fi
+case "${1:-}" in
+  --floor | --torch-floor | --torch-newest)
+    option="$1"
+    shift
+    venv=".venv${option#-}"
+    [ "$option" = --floor ] && venv=.venv-floor
+    [ -x "$venv/bin/pytest" ] || bash scripts/setup.sh "$option"
+    "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    exec "$venv/bin/pytest" tests/engine tests/families tests/methods "$@"
+    ;;
+esac
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
 .venv/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 .venv/bin/ruff check src tests benchmarks scripts

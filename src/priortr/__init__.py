@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from priortr.adapters import register_adapter, supported_model_types
     from priortr.api import PruningHandle, apply, detach
-    from priortr.engine.config import PruningSkippedWarning
+    from priortr.engine.config import DegenerateScoresWarning, PruningSkippedWarning
     from priortr.engine.result import PruneResult, StageResult
     from priortr.methods import (
         MethodInfo,
@@ -40,6 +40,7 @@ _HOMES = {
     "detach": "priortr.api",
     "PruneResult": "priortr.engine.result",
     "PruningSkippedWarning": "priortr.engine.config",
+    "DegenerateScoresWarning": "priortr.engine.config",
     "StageResult": "priortr.engine.result",
     "MethodInfo": "priortr.methods",
     "available_methods": "priortr.methods",
@@ -54,6 +55,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "DegenerateScoresWarning",
     "Evidence",
     "MethodInfo",
     "PruneResult",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -18,6 +19,26 @@ from priortr.engine.hooks import PruningEngine
 from priortr.engine.result import PruneResult
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_PARALLEL_WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model a module wrapper stands for: ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``) and
+    (Distributed)DataParallel (``module``) run the model they wrap, so pruning is attached to, and
+    refused a second time on, that model whichever of the two is passed. accelerate's hooks wrap a model's
+    ``forward`` in place (the model stays the same object), so such a model needs no unwrapping."""
+    # An OptimizedModule exists only once torch.compile imported dynamo (importing it here would cost
+    # seconds at every apply).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    while True:
+        if compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod
+        elif isinstance(model, _PARALLEL_WRAPPERS):
+            model = model.module
+        else:
+            return model
 
 
 class PruningHandle:
@@ -108,7 +129,8 @@ def apply(
     """Prune visual tokens of ``model`` in every prefill from now on.
 
     Args:
-        model: a supported ``*ForConditionalGeneration`` (see ``priortr.supported_model_types()``).
+        model: a supported ``*ForConditionalGeneration`` (see ``priortr.supported_model_types()``), or a
+            wrapper of one (``torch.compile(model)``, DataParallel): pruning attaches to the model it wraps.
         method: a method by name (``priortr.available_methods()``, ``priortr methods``); ``priortr`` is
             the paper's Eq. (8), P * log((P + eps) / (Q + eps)).
         budget: visual tokens kept per prompt: an int count K, or a ratio in (0, 1) of each image's
@@ -139,6 +161,7 @@ def apply(
     settings = {name: value for name, value in locals().items() if name not in ("model", "config")}
     if config is not None:
         return apply(model, **config_file.merge(config, settings, apply_defaults()))
+    model = unwrapped(model)
     adapter = adapter_for(model)
     try:
         n_layers = len(adapter.decoder_layers(model))
@@ -174,8 +197,9 @@ def apply_defaults() -> dict[str, Any]:
 
 def detach(model: nn.Module) -> bool:
     """Remove whatever pruning is attached to ``model`` (as its handle's ``remove()`` would), also when
-    that handle was dropped; return whether something was attached."""
-    handle = _ATTACHED.get(model)
+    that handle was dropped (``model`` may be a wrapper of the model, as in ``apply``); return whether
+    something was attached."""
+    handle = _ATTACHED.get(unwrapped(model))
     if handle is None:
         return False
     handle.remove()

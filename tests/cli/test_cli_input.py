@@ -206,6 +206,42 @@ def test_calibrate_checks_every_prompt_and_image_before_the_model_loads(
     refused(capsys, argv, message)
 
 
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        (
+            b'{"image": "image.png", "prompt": "what \\ud800 is it?"}\n',
+            "line 1: the prompt is not valid UTF-8",
+        ),
+        (b'{"image": "image.png", "prompt": "ok?"}\n{"prompt": "\xff\xfe"}\n', "line 2 is not valid UTF-8"),
+    ],
+    ids=["a lone surrogate", "bytes that are not UTF-8"],
+)
+def test_calibrate_refuses_prompts_that_are_not_utf8_before_the_model_loads(
+    files, capsys, tmp_path, contents, message
+):
+    """Before: the weights loaded, then the tokenizer raised a TypeError (a lone surrogate), or reading
+    the file raised a UnicodeDecodeError, each with a traceback."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "image.png").write_bytes(files["image"].read_bytes())
+    (folder / "prompts.jsonl").write_bytes(contents)
+    argv = ["calibrate", "--model", str(files["tiny"]), "--data", str(folder), "--out", str(tmp_path / "out")]
+    refused(capsys, argv, message, "UTF-8")
+
+
+@pytest.mark.parametrize("command", ["generate", "viz"])
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads(files, capsys, tmp_path, command):
+    """The bytes 0xff 0xfe on the command line reach Python as lone surrogates (surrogateescape)."""
+    argv = [command, "--model", str(files["tiny"]), "--image", str(files["image"])]
+    argv += [
+        "--prompt",
+        "what \udcff\udcfe is it?",
+        *(["--out", str(tmp_path / "m.png")] if command == "viz" else []),
+    ]
+    refused(capsys, argv, "--prompt: the prompt is not valid UTF-8 text (byte 0xff at character 5)")
+
+
 def test_an_empty_prompt_is_refused(files, capsys):
     argv = ["generate", "--model", str(files["tiny"]), "--image", str(files["image"]), "--prompt", " "]
     refused(capsys, argv, "--prompt is empty")
@@ -338,6 +374,15 @@ def test_as_a_user_types_it(files, tmp_path, argv, message):
     assert result.returncode == 2, result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_prompt_bytes_that_are_not_utf8_as_a_user_types_them(files, tmp_path):
+    argv = ["generate", "--model", str(files["tiny"]), "--image", str(files["image"])]
+    argv = [arg.encode() for arg in [*console(), *argv]] + [b"--prompt", b"what \xff\xfe is it?"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("[transformers]")]
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert len(lines) == 1 and "--prompt: the prompt is not valid UTF-8 text (byte 0xff" in lines[0], lines
 
 
 def test_version_as_a_user_types_it():

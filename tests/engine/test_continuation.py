@@ -9,8 +9,11 @@ the kept set changed with them, and with it the answer.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 import priortr
 from tests.helpers.families import FAMILIES
@@ -149,3 +152,29 @@ def test_what_a_call_with_a_continuation_cannot_do_is_refused(llava):
         images = pytest.raises(ValueError, match="image tokens after column")
         with handle.prompt_ends(at=int(batch.image_start[1])), images:  # the prompt ends before an image
             llava(**inputs, use_cache=False)
+
+
+def test_priortrs_own_calls_log_no_transformers_deprecation(llava):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` and logs a deprecation warning once per
+    process when the old name is used; priortr's own calls (joining a prompt's output to its
+    continuation's, reading a cache off an output) must not be what logs it. Before: generate(use_cache=
+    False) and a call inside prompt_ends logged it, from compat/calls.py."""
+    batch = llava_batch(llava, batch_size=2)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = transformers_logging.get_logger("transformers")
+    logger.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()  # logged once per process: forget earlier tests' calls
+    try:
+        with pruning(llava) as handle, torch.no_grad():
+            llava.generate(**batch.kwargs(), **{**GREEDY, "use_cache": False})
+            with handle.prompt_ends(at=batch.seq_len - 2):
+                out = llava(**batch.kwargs(), use_cache=False)
+        assert not [message for message in messages if "deprecated" in message], messages
+        old_name = getattr(type(out), "past_key_values", None)
+        if isinstance(old_name, property):  # a release with the rename: the old name logs (the control)
+            assert out.past_key_values is None
+            assert any("deprecated" in message for message in messages), messages
+    finally:
+        logger.removeHandler(handler)

@@ -52,6 +52,24 @@ def test_the_floor_is_declared_once():
     assert Version(bound) == Version(compat.release.FLOOR) == Version(locked)
 
 
+def test_the_declared_torch_range_is_the_tested_one():
+    """pyproject's torch range admits the releases scripts/setup.sh tests at its ends (--torch-floor,
+    --torch-newest) and, for the floor, nothing older; the suite itself runs on one inside it."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = next(dep.split("#")[0].strip() for dep in dependencies if re.match(r"torch\b", dep))
+    floor, below = re.search(r">=([\d.]+),<([\d.]+)", declared).groups()
+    setup = (ROOT / "scripts/setup.sh").read_text()
+    tested_floor = re.search(r'torch_pins=\("torch==([\d.]+)"\)', setup).group(1)
+    tested_newest = re.search(r'torch_pins=\("torch==([\d.]+)" "torchvision', setup).group(1)
+    assert Version(tested_floor) == Version(floor)
+    assert Version(tested_floor) <= Version(tested_newest) < Version(below)
+    assert Version(below).release[:2] == (
+        Version(tested_newest).release[0],
+        Version(tested_newest).release[1] + 1,
+    )
+    assert Version(floor) <= Version(torch.__version__.split("+")[0]) < Version(below)
+
+
 @pytest.mark.parametrize("name", CACHE_NAMES)
 def test_a_cache_passed_by_either_name_is_pruned(llava, name):
     """From 5.24 the models take ``cache`` and still accept ``past_key_values``; the engine must prune the

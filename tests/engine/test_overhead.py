@@ -32,7 +32,7 @@ def _counts(model, batch, cache: str, **apply_kwargs) -> tuple[overhead.Counts, 
     else:
         with priortr.apply(model, **apply_kwargs):
             calls = overhead.count_generate(model, batch.kwargs(), **kwargs)
-    return calls[0], calls[-1]
+    return calls[0], overhead.decode_step(calls)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -203,6 +203,46 @@ def test_stages_alone_replace_budget_and_layer(llava):
     assert handle.last.kept.shape == (1, 4)
 
 
+WRAPPERS = {"torch.compile": torch.compile, "DataParallel": torch.nn.DataParallel}
+
+
+@pytest.mark.parametrize("removal", ["handle", "detach through the other"])
+@pytest.mark.parametrize("first", ["wrapper", "model"])
+@pytest.mark.parametrize("wrap", WRAPPERS)
+def test_a_wrapper_and_the_model_it_wraps_are_one_model(llava, wrap, first, removal):
+    """Pruning attached through a wrapper (or the model) is refused a second time through the model (or
+    the wrapper) with the usual message; the model prunes; removing it by its handle, or by
+    ``priortr.detach`` through the other, restores the stock model: no hook left, the same tokens."""
+    wrapper = WRAPPERS[wrap](llava)
+    batch = llava_batch(llava, batch_size=2)
+
+    def greedy():
+        with torch.no_grad():
+            return llava.generate(**batch.kwargs(), **GREEDY, **SCORES)
+
+    stock = greedy()
+    one, other = (wrapper, llava) if first == "wrapper" else (llava, wrapper)
+    handle = priortr.apply(one, budget=BUDGET, layer=LAYER)
+    with pytest.raises(ValueError, match="this model already has priortr attached"):
+        priortr.apply(other, budget=BUDGET, layer=LAYER)
+    pruned = greedy()
+    assert handle.last.pruned
+    assert not torch.equal(torch.stack(pruned.logits), torch.stack(stock.logits))
+    if wrap == "torch.compile":  # the wrapper's generate is the model's, pruned
+        with torch.no_grad():
+            through = wrapper.generate(**batch.kwargs(), **GREEDY, **SCORES)
+        assert torch.equal(through.sequences, pruned.sequences)
+    if removal == "handle":
+        handle.remove()
+    else:
+        assert priortr.detach(other) is True
+    assert not handle.attached and priortr.detach(one) is False
+    assert "generate" not in vars(llava) and not llava.model._forward_pre_hooks
+    after = greedy()
+    assert torch.equal(after.sequences, stock.sequences)
+    assert torch.equal(torch.stack(after.logits), torch.stack(stock.logits))
+
+
 def test_the_inner_model_is_refused_with_the_class_to_pass(llava):
     with pytest.raises(ValueError, match=r"pass the \*ForConditionalGeneration model.*LlavaModel"):
         priortr.apply(llava.model)

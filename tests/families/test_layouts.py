@@ -9,7 +9,7 @@ import torch
 
 import priortr
 from priortr.tools import bench
-from tests.helpers.families import FAMILIES, LAYOUTS
+from tests.helpers.families import FAMILIES, LAYOUTS, skip_unless_stock_runs_static
 from tests.helpers.pruned import assert_matches_reference, generate
 
 LAYER = 1  # the tiny Qwen3-VL injects DeepStack features into layers 0 and 1
@@ -45,6 +45,23 @@ def test_layout_matches_the_masked_reference(family, layout, budget, multi_image
     assert logits.shape[1] == physical
     assert int(out.past_key_values.get_seq_length()) == physical + out.sequences.shape[1] - batch.seq_len - 1
     assert_matches_reference(model, batch, result, logits, out)
+
+
+RAGGED = [family for family, layouts in LAYOUTS.items() if "ragged" in layouts]
+
+
+@pytest.mark.parametrize("family", RAGGED)
+def test_ragged_rows_decode_on_a_static_cache_as_the_reference(family):
+    """Rows pruned to different lengths (fillers) decoded on a static cache, whose window layers
+    (Gemma 3's sliding, Llama 4's chunked) keep fewer slots than the pruned prompt."""
+    model, batch = _build(family, "ragged")
+    skip_unless_stock_runs_static(model)
+    with priortr.apply(model, budget=0.4, layer=LAYER) as handle, torch.no_grad():
+        logits = model(**batch.kwargs()).logits
+        result = handle.last
+        out = generate(model, batch, cache_implementation="static")
+    assert bool(result.padding.any()), "the rows must be pruned to different lengths"
+    assert_matches_reference(model, batch, result, logits, out, cache_implementation="static")
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)

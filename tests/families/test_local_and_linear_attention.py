@@ -10,6 +10,8 @@ model and the reference that runs each layer on the pruned sequence (``tests/hel
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -17,12 +19,12 @@ import priortr
 from priortr import compat
 from priortr.tools import overhead
 from tests.helpers.families import FAMILIES, skip_unless_stock_runs_static
-from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for
+from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for, row_alone
 from tests.helpers.tiny import Batch
 from tests.helpers.tiny_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
-from tests.helpers.tiny_gemma3 import gemma3_batch, tiny_gemma3
+from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_ragged_batch, tiny_gemma3
 from tests.helpers.tiny_llama4 import llama4_batch, tiny_llama4
-from tests.helpers.tiny_mistral3 import mistral3_batch, tiny_mistral3
+from tests.helpers.tiny_mistral3 import mistral3_batch, mistral3_ragged_batch, tiny_mistral3
 from tests.helpers.tiny_qwen3_5 import FULL_ATTENTION_LAYERS, tiny_qwen3_5
 from tests.helpers.tiny_qwen3_vl import qwen3_vl_batch
 
@@ -95,6 +97,35 @@ def test_prior_and_posterior_are_the_scored_layers_own_attention(family, layer):
         assert outside.any() and (result.prior[0][outside] == 0).all()
 
 
+def test_scores_without_evidence_warn_once_and_strict_names_the_fix():
+    """FastV at Gemma 3's sliding layer 1: row 1's last token is farther from the image than the window, so
+    its scores are NaN and the image's first tokens are kept. Before: silently (strict=True said only
+    "cannot L1-normalise 1 row(s)"); now one warning per attach, after generate() or when ``last`` is
+    read, and strict=True names the fix. Scored at the global layer 2 the same prompts warn nothing."""
+    model = tiny_gemma3(dtype=torch.float32)
+    batch = gemma3_batch(model, 2)
+    budget = batch.n_visual - 4
+    fix = "score a layer that attends to the image"
+    with priortr.apply(model, method="fastv", budget=budget, layer=1) as handle, torch.no_grad():
+        with pytest.warns(priortr.DegenerateScoresWarning, match=f"fastv ranked an image .* {fix}"):
+            generate(model, batch, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            generate(model, batch, 2)  # once per attach
+        assert handle.last.scores[1].isnan().all() and not handle.last.scores[0].isnan().any()
+    with priortr.apply(model, method="fastv", budget=budget, layer=1) as handle, torch.no_grad():
+        model(**batch.kwargs())  # a forward call: read with handle.last
+        with pytest.warns(priortr.DegenerateScoresWarning, match=fix):
+            assert handle.last is not None
+    global_layer = priortr.apply(model, method="fastv", budget=budget, layer=2)
+    with global_layer, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, batch, 2)
+    strict = priortr.apply(model, method="fastv", budget=budget, layer=1, strict=True)
+    with strict, torch.no_grad(), pytest.raises(ValueError, match=f"cannot L1-normalise 1 row.*{fix}"):
+        model(**batch.kwargs())
+
+
 @pytest.mark.parametrize("layer", [0, 2])
 def test_a_linear_attention_layer_is_refused_naming_the_nearest_attention_layer(layer):
     model = tiny_qwen3_5()
@@ -149,6 +180,45 @@ def test_decoding_across_the_window_edge_matches_the_reference(name, cache):
     assert (torch.stack(stock.logits) - torch.stack(out.logits)).abs().max() > 1e-6
 
 
+RAGGED = {
+    "gemma3, one image and two": (tiny_gemma3, gemma3_ragged_batch),
+    "mistral3, every layer sliding": (lambda: tiny_mistral3(sliding_window=12), mistral3_ragged_batch),
+}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", RAGGED)
+def test_ragged_rows_decode_across_the_window_as_each_row_alone(name, cache):
+    """Rows with different visual-token counts pruned to different lengths (the shorter row gets fillers),
+    a window shorter than the prompt (a static cache's window layers hold fewer slots than the pruned
+    prompt): every row's ten greedy tokens and their logits equal that row's, run alone."""
+    build, make_batch = RAGGED[name]
+    model = build()
+    batch = make_batch(model, 2)
+    rows = [row_alone(batch, row) for row in range(batch.batch_size)]
+
+    def decode(inputs):
+        options = {"output_logits": True, "return_dict_in_generate": True, "cache_implementation": cache}
+        steps = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+        return model.generate(**inputs, **steps, **options)
+
+    with torch.no_grad():
+        stock = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
+        stock_alone = [decode(inputs) for inputs in rows]
+    with priortr.apply(model, budget=0.4, layer=1) as handle, torch.no_grad():
+        out = generate(model, batch, NEW_TOKENS, cache_implementation=cache)
+        assert bool(handle.last.padding.any()), "the rows must be pruned to different lengths"
+        alone = [decode(inputs) for inputs in rows]
+    logits = torch.stack(out.logits)  # [T, B, V]
+    for row in range(batch.batch_size):
+        # The stock model's own batch-vs-row difference bounds how closely a row can match.
+        noise = (torch.stack(stock_alone[row].logits)[:, 0] - torch.stack(stock.logits)[:, row]).abs().max()
+        atol = max(logits_atol(model), 4 * float(noise))
+        assert torch.equal(out.sequences[row, -NEW_TOKENS:], alone[row].sequences[0, -NEW_TOKENS:])
+        torch.testing.assert_close(logits[:, row], torch.stack(alone[row].logits)[:, 0], atol=atol, rtol=0)
+        assert (torch.stack(stock.logits)[:, row] - logits[:, row]).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 def test_the_report_says_which_caches_shrink_and_the_cache_holds_that(name):
     """``handle.last.cache``: full-attention caches go from the prompt to text + K entries, a window's
@@ -191,9 +261,10 @@ def test_a_decode_step_reads_nothing_back(family, cache):
     if cache == "static":
         skip_unless_stock_runs_static(model)
     batch = FAMILIES[family][1](model, 1)
-    vanilla = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)[-1]
+    vanilla = overhead.decode_step(overhead.count_generate(model, batch.kwargs(), cache_implementation=cache))
     with priortr.apply(model, budget=4, layer=1):
-        prefill, *_, decode = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)
+        calls = overhead.count_generate(model, batch.kwargs(), cache_implementation=cache)
+    prefill, decode = calls[0], overhead.decode_step(calls)
     adapter = priortr.adapters.adapter_for(model)
     layers = adapter.decoder_layers(model)
     placed = sum(

@@ -24,7 +24,7 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
-from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_multi_image_batch, tiny_gemma3
+from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_multi_image_batch, gemma3_ragged_batch, tiny_gemma3
 from tests.helpers.tiny_glm4v import (
     glm4v_batch,
     glm4v_multi_image_batch,
@@ -138,7 +138,7 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
         "video": qwen3_vl_video_batch,
         "two images": qwen3_vl_multi_image_batch,
     },
-    "gemma3": {"two images": gemma3_multi_image_batch},
+    "gemma3": {"ragged": gemma3_ragged_batch, "two images": gemma3_multi_image_batch},
     "llama4": {"ragged": llama4_ragged_batch, "two images": llama4_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""

@@ -87,12 +87,12 @@ def kept_rows(values: torch.Tensor, result: priortr.PruneResult, batch: Batch):
     return picked, batch.attention_mask.gather(1, result.positions).bool() & ~result.padding
 
 
-def assert_matches_reference(model, batch, result, logits, out) -> None:
-    """Prefill logits of real tokens and greedy generation equal the staged masked reference; the
-    stock model differs (so the comparison can fail)."""
+def assert_matches_reference(model, batch, result, logits, out, **options: Any) -> None:
+    """Prefill logits of real tokens and greedy generation (``out``, generated with ``options``) equal the
+    staged masked reference; the stock model differs (so the comparison can fail)."""
     with reference_for(model, stage_masks(batch, result), batch.attention_mask), torch.no_grad():
         reference, real = kept_rows(model(**batch.kwargs()).logits, result, batch)
-        expected = generate(model, batch)
+        expected = generate(model, batch, **options)
     torch.testing.assert_close(logits[real], reference[real], atol=logits_atol(model), rtol=0)
     assert torch.equal(out.sequences, expected.sequences)
     atol = logits_atol(model)
@@ -119,7 +119,8 @@ def row_alone(batch: Batch, row: int) -> dict:
     """Batch row ``row`` as its own unpadded batch of one.
 
     Qwen-VL packs every image's patches into one tensor (``image_grid_thw`` says how many each row
-    has); every other input with a leading axis divisible by the batch size holds the same number of
+    has); a batch whose rows hold different image counts says them (``images_per_row``), one entry per
+    image; every other input with a leading axis divisible by the batch size holds the same number of
     entries per row (the batches of ``tests.helpers.families`` give every row the same images).
     """
     real = batch.attention_mask[row].bool()
@@ -136,8 +137,14 @@ def row_alone(batch: Batch, row: int) -> dict:
         out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
     if "token_type_ids" in kwargs:  # one per token (Gemma 3): the row's real tokens
         out["token_type_ids"] = kwargs["token_type_ids"][row, real][None]
+    images = batch.images_per_row
     for key, value in kwargs.items():
-        if key in out or not isinstance(value, torch.Tensor) or value.shape[0] % batch.batch_size:
+        if key in out or not isinstance(value, torch.Tensor):
+            continue
+        if images is not None and value.shape[0] == sum(images):
+            out[key] = value[sum(images[:row]) : sum(images[: row + 1])]
+            continue
+        if value.shape[0] % batch.batch_size:
             continue
         per_row = value.shape[0] // batch.batch_size
         out[key] = value[row * per_row : (row + 1) * per_row]

@@ -188,6 +188,7 @@ class Batch:
     mm_token_type_ids: torch.LongTensor | None = None  # Qwen only: [B, S], 1 on image tokens
     visual_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    images_per_row: list[int] | None = None  # where rows hold different image counts (one input each)
 
     def __post_init__(self) -> None:
         """``n_visual`` 0 with ``visual_ids`` means: the rows' common count, if they share one."""

@@ -15,6 +15,8 @@ Same conventions as ``tests.helpers.tiny``: special ids at the top of the vocabu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -78,16 +80,18 @@ def tiny_gemma3(
     return finish_model(model, attn)
 
 
-def gemma3_batch(model, batch_size: int = 1, images: int = 1, seed: int = 0) -> Batch:
-    """Rows ``[bos, text x a, image, (text x 2, image)..., text x b]``, left-padded."""
+def gemma3_batch(model, batch_size: int = 1, images: int | Sequence[int] = 1, seed: int = 0) -> Batch:
+    """Rows ``[bos, text x a, image, (text x 2, image)..., text x b]``, left-padded; ``images`` images per
+    row, or row ``r`` holds ``images[r]``."""
     size = model.config.vision_config.image_size
     image = [GEMMA3_START_ID, *[GEMMA3_IMAGE_ID] * IMAGE_TOKENS, GEMMA3_END_ID]
+    counts = [images] * batch_size if isinstance(images, int) else list(images)
     rows, pixels = [], []
     lengths = zip(row_lengths((3,), batch_size), row_lengths((5,), batch_size), strict=True)
     for r, (a, b) in enumerate(lengths):
         gen = row_generator(seed, r)
         row = [BOS_ID, *random_text(a, gen)]
-        for k in range(images):
+        for k in range(counts[r]):
             row += [*(random_text(2, gen) if k else []), *image]
             pixels.append(torch.randn((3, size, size), generator=gen))
         rows.append([*row, *random_text(b, gen)])
@@ -101,8 +105,14 @@ def gemma3_batch(model, batch_size: int = 1, images: int = 1, seed: int = 0) -> 
         0,
         visual_ids=(GEMMA3_IMAGE_ID,),
         extra={"token_type_ids": (ids == GEMMA3_IMAGE_ID).long()},
+        images_per_row=None if isinstance(images, int) else counts,
     )
 
 
 def gemma3_multi_image_batch(model, batch_size: int = 2, seed: int = 0) -> Batch:
     return gemma3_batch(model, batch_size, images=2, seed=seed)
+
+
+def gemma3_ragged_batch(model, batch_size: int = 2, seed: int = 0) -> Batch:
+    """Alternately one image and two per row (16 and 32 visual tokens)."""
+    return gemma3_batch(model, batch_size, images=[1 + r % 2 for r in range(batch_size)], seed=seed)

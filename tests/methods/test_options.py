@@ -4,6 +4,8 @@ forward (``priortr+merge`` with ``adaptive=True``, the paper's merging setting, 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -37,9 +39,46 @@ CASES = [(method, {}) for method in priortr.available_methods()] + [
 ]
 
 
+# a value outside every knob's range, and the selector's own words for it
+BAD_VALUES: dict[str, tuple[object, str]] = {
+    "adaptive": ("yes", "must be True or False, got 'yes'"),
+    "plus": (1, "must be True or False, got 1"),
+    "cls_takes_a_slot": (None, "must be True or False, got None"),
+    "recycling": ("sometimes", "must be one of ['on_top', 'in_budget'], got 'sometimes'"),
+    "clustering": ("dbscan", "must be one of"),
+    "recycle_ratio": (2, "must be in (0, 1], got 2"),
+    "tokens_per_cluster": (0, "must be an int >= 1, got 0"),
+    "neighbours": (0, "must be an int >= 1, got 0"),
+    "contextual_ratio": (1.5, "must be in [0, 1], got 1.5"),
+    "important_ratio": (-0.1, "must be in [0, 1], got -0.1"),
+    "step": (2.5, "must be an int >= 1, got 2.5"),
+    "image_pivots": (0, "must be an int >= 1, got 0"),
+    "text_pivots": (-1, "must be an int >= 0, got -1"),
+}
+BAD_CASES = [
+    (method, knob) for method in priortr.available_methods() for knob in priortr.get_method(method).knobs
+]
+
+
 def test_every_knob_has_its_alternatives_listed():
     knobs = {knob for method in priortr.available_methods() for knob in priortr.get_method(method).knobs}
-    assert knobs == set(ALTERNATIVES)
+    assert knobs == set(ALTERNATIVES) == set(BAD_VALUES)
+
+
+@pytest.mark.parametrize(("method", "knob"), BAD_CASES, ids=[f"{m}-{k}" for m, k in BAD_CASES])
+def test_a_bad_option_value_is_refused_by_apply_before_any_forward(llava, method, knob):
+    """Before: ``apply`` checked only the option's name, and the value failed at the first forward
+    (DART ``image_pivots=0``, ``recycle_ratio=2``); the message is the selector's, as the CLI shows it."""
+    model, _ = llava
+    value, message = BAD_VALUES[knob]
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"{knob} {message}")):
+            priortr.apply(model, method=method, budget=8, options={knob: value})
+    finally:
+        hook.remove()
+    assert not calls and priortr.detach(model) is False  # refused before anything ran or attached
 
 
 @pytest.fixture(scope="module")

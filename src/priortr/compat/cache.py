@@ -27,7 +27,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from priortr.compat.calls import CACHE_NAMES
+from priortr.compat.calls import CACHE_NAMES, cache_field
 from priortr.compat.release import refuse
 from priortr.tensors.gathers import gather_sequence
 
@@ -310,4 +310,5 @@ def with_cache(kwargs: dict, view: Callable[[Any], Any]) -> dict:
 
 def of_output(output: Any) -> Any:
     """The cache a model returned (``output.cache`` from 5.24, ``output.past_key_values`` before)."""
-    return next((output[name] for name in CACHE_NAMES if name in output), None)
+    name = cache_field(output)
+    return None if name is None else output.get(name)

@@ -11,6 +11,7 @@ refused there (``release.refuse``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -239,11 +240,20 @@ def join_outputs(
                 )
             joined = joined[:, -logits_to_keep:]
         first[name] = joined
-    if not keep_cache:
-        for name in CACHE_NAMES:
-            if name in first:
-                first[name] = None
+    field = cache_field(first)
+    if not keep_cache and field is not None:
+        first[field] = None
     return first
+
+
+def cache_field(output: ModelOutput) -> str | None:
+    """The field a model output holds its cache in (``cache`` from 5.24, ``past_key_values`` before); None
+    for an output without one. Read from the output class's fields: asking a 5.24 output for the old
+    name (``in``, ``get``, an attribute) logs transformers' deprecation warning, as if the user had."""
+    names = (
+        {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+    )
+    return next((name for name in CACHE_NAMES if name in names), None)
 
 
 def resolve(multimodal: nn.Module, layers: nn.ModuleList) -> tuple[ModelContract, LayerContract]:

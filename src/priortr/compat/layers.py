@@ -59,3 +59,8 @@ def windows(text_config: Any) -> list[Window | None]:
         local = WINDOW_KINDS.get(kind)
         out.append(None if local is None else Window(local[0], getattr(text_config, local[1])))
     return out
+
+
+def local_types(text_config: Any) -> frozenset[str]:
+    """The layer types of ``text_config`` that attend within a local window (sliding or chunked)."""
+    return frozenset(kind for kind in types(text_config) if kind in WINDOW_KINDS)

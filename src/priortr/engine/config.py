@@ -32,6 +32,10 @@ class PruningSkippedWarning(UserWarning):
     """A forward pass ran unpruned because its prompt has nothing to prune."""
 
 
+class DegenerateScoresWarning(UserWarning):
+    """A method ranked an image on scores that are NaN or all zero, so its kept tokens are not a ranking."""
+
+
 @dataclass(frozen=True)
 class PruningConfig:
     """What to prune and how; made and checked by ``PruningConfig.of``.
@@ -250,6 +254,8 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[
     if unknown:
         known = ", ".join(f"{name}={default!r}" for name, default in info.knobs.items()) or "none"
         raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
+    if info.check_knobs is not None:
+        info.check_knobs(**{**info.knobs, **options})
     return options
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,12 +29,13 @@ from torch.utils.hooks import RemovableHandle
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
-from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
+from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, DegenerateScoresWarning, PruningConfig
 from priortr.engine.continuation import Continuation, split_call
 from priortr.engine.ledger import CacheLedger, continue_call, ledger_of, write_ledger
 from priortr.engine.plan import PrefillPlan, make_plan, skip_prefill
 from priortr.engine.prefill import Prefill
 from priortr.engine.result import PrefillRecord, PruneResult
+from priortr.methods.scoring import NO_WEIGHT_FIX
 from priortr.tensors.host import to_host
 
 
@@ -65,6 +67,8 @@ class PruningEngine:
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
         self._prompt_ends: dict[int, int] = {}  # per thread: the columns of a call's prompt
         self._record: PrefillRecord | None = None
+        self._unchecked: PrefillRecord | None = None  # the latest prefill, its scores not yet checked
+        self._warned_degenerate = False
         self._last: PruneResult | None = None
         self._permanent: list[RemovableHandle] = []
         self._loss: Callable | None = None
@@ -84,10 +88,26 @@ class PruningEngine:
     @property
     def last(self) -> PruneResult | None:
         """What the most recent pruned prefill kept (``PruneResult``), built when first read."""
+        self._warn_on_degenerate_scores()
         record = self._record
         if record is not None:
             self._last, self._record = record.result(), None
         return self._last
+
+    def _warn_on_degenerate_scores(self) -> None:
+        """Warn, once per attach, when the latest pruned prefill ranked an image on NaN or all-zero scores
+        (its kept tokens are then the first ones, not a ranking; ``strict=True`` refuses it). Read after
+        generate() returns or when ``last`` is read, never while the model runs."""
+        record, self._unchecked = self._unchecked, None
+        if record is None or self._warned_degenerate or not record.has_degenerate_scores():
+            return
+        self._warned_degenerate = True
+        warnings.warn(
+            f"priortr: {self.config.method.name} ranked an image on scores that are NaN or all zero, so it "
+            f"kept the image's first tokens: {NO_WEIGHT_FIX} (strict=True refuses such a prompt)",
+            DegenerateScoresWarning,
+            stacklevel=3,
+        )
 
     def attach(self) -> None:
         self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
@@ -141,9 +161,12 @@ class PruningEngine:
         prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         stated = threading.get_ident() in self._prompt_ends  # the caller's own prompt_ends comes first
         if stated or not isinstance(prompt, torch.Tensor) or prompt.ndim != 2:
-            return self._generate(*args, **kwargs)
-        with self.prompt_ends(prompt.shape[1]):
-            return self._generate(*args, **kwargs)
+            out = self._generate(*args, **kwargs)
+        else:
+            with self.prompt_ends(prompt.shape[1]):
+                out = self._generate(*args, **kwargs)
+        self._warn_on_degenerate_scores()
+        return out
 
     def _loss_on_pruned_logits(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         """The model's loss, refused with a clear message when pruning shortened the logits."""
@@ -203,7 +226,7 @@ class PruningEngine:
             return None
         prefill = self._prefill(plan, thread)
         self._last = None
-        self._record = prefill.record
+        self._record = self._unchecked = prefill.record
         if not plan.stages:  # nothing to prune: the call runs whole
             prefill.finish()
             return whole.hook_result()

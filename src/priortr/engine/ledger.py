@@ -128,9 +128,10 @@ def continue_call(
         steps = torch.arange(new, device=ledger.next_position.device)
         positions = ledger.next_position[:, None] + (length - ledger.kept_length) + steps
         call.position_ids = adapter.continuation_position_ids(model, positions)
-    call.attention_mask = _mask(ledger, call.attention_mask, new, cache, cached)
     text_config = model.config.get_text_config()
-    if any(window is not None for window in compat.layers.windows(text_config)):
+    local = compat.layers.local_types(text_config)
+    call.attention_mask = _mask(ledger, call.attention_mask, new, cache, cached, local)
+    if local:
         padding = call.attention_mask
         if not (isinstance(padding, torch.Tensor) and padding.ndim == 2):
             padding = _padding(ledger, new, cache, cached) if ledger.masked else None
@@ -197,9 +198,13 @@ def _padding(ledger: CacheLedger, new: int, cache: Any, cached: int | None) -> t
     )
 
 
-def _mask(ledger: CacheLedger, mask: Any, new: int, cache: Any, cached: int | None) -> Any:
+def _mask(
+    ledger: CacheLedger, mask: Any, new: int, cache: Any, cached: int | None, local: frozenset[str]
+) -> Any:
     """The mask of a call on the pruned cache: a 2D mask loses the pruned prompt columns; prepared masks
-    (4D, or generate()'s dict for static caches) get the cached fillers hidden."""
+    (4D, or generate()'s dict for static caches) get the cached fillers hidden. A prepared mask of a
+    ``local`` layer type spans its window cache's slots, not the cached prompt's columns, and is not
+    used: ``compat.masks.windowed`` builds the masks of local types from the ledger's positions."""
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         if mask.shape[1] < ledger.prompt_length + new:
             raise ValueError(
@@ -209,6 +214,10 @@ def _mask(ledger: CacheLedger, mask: Any, new: int, cache: Any, cached: int | No
         return torch.cat([ledger.prompt_mask.to(mask.dtype), mask[:, ledger.prompt_length :]], dim=1)
     if ledger.filler is None:
         return mask
+    if isinstance(mask, dict):
+        mask = {kind: value for kind, value in mask.items() if kind not in local}
+    elif local:
+        return mask  # the model's one layer type is local: compat.masks.windowed builds its mask
     if mask is None:
         cached = int(compat.cache.length(cache)) if cached is None else cached
         tail = ledger.prompt_mask.new_ones(ledger.prompt_mask.shape[0], cached - ledger.kept_length + new)

@@ -7,7 +7,7 @@ never asks for, so it happens on first access.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,15 +114,25 @@ class PrefillRecord:
     sequence: SequenceMap | None = None
     pruned: bool = False
     cache: tuple[LayerCache, ...] = ()
+    peaks: list[torch.Tensor] = field(default_factory=list)  # per ranked group: [G] largest abs score
 
     def note_scores(self, pools: list[Pool], evidence: Evidence | None, scores: torch.Tensor | None) -> None:
-        """Keep the first stage's ``evidence`` and ``scores`` [G, n] of ``pools`` (when it has both)."""
+        """Keep the first stage's ``evidence`` and ``scores`` [G, n] of ``pools`` (when it has both), and for
+        for every stage each image's largest absolute score, NaN where a score is NaN, 0 where all are zero
+        (device work, two ops: nothing is read back)."""
+        if scores is not None:
+            self.peaks.append(scores.abs().amax(dim=-1))
         if not self.stages and evidence is not None and scores is not None:
             self.scored.append(Scored([(pool.row, pool.positions) for pool in pools], evidence, scores))
 
     def add_stage(self, layer: int, pools: list[Pool], merged: bool) -> None:
         """Keep what survived the stage scored at ``layer``: every pool's (row, positions)."""
         self.stages.append((layer, [(pool.row, pool.positions) for pool in pools], merged))
+
+    def has_degenerate_scores(self) -> bool:
+        """Whether a stage ranked an image on NaN or all-zero scores. Reads the device: call it only once
+        the model has returned (``PruningEngine`` does, after generate() or when ``last`` is read)."""
+        return bool(self.peaks) and not bool((torch.cat(self.peaks) > 0).all())
 
     def result(self) -> PruneResult:
         visual = self.visual

@@ -92,6 +92,11 @@ def _check_evidence(inputs: StageInputs, text_pivots: int) -> None:
         )
 
 
+def _check_knobs(*, image_pivots: int, text_pivots: int) -> None:
+    check_int("dart image_pivots", image_pivots)
+    check_int("dart text_pivots", text_pivots, minimum=0)
+
+
 @register_method(
     "dart",
     where="layer",
@@ -99,6 +104,7 @@ def _check_evidence(inputs: StageInputs, text_pivots: int) -> None:
     layer=1,
     summary="pivots by key L1 norm (image and text), then the tokens least duplicated with each pivot",
     source="DART, Wen et al., EMNLP 2025 (arXiv 2502.11494)",
+    check_knobs=_check_knobs,
 )
 def dart(inputs: StageInputs, *, image_pivots: int = 4, text_pivots: int = 4) -> Selection:
     """DART at the authors' published setting (module docstring): ``image_pivots`` image and
@@ -111,8 +117,7 @@ def dart(inputs: StageInputs, *, image_pivots: int = 4, text_pivots: int = 4) ->
     ``text_pivots`` (int >= 0).
     """
     budget = check_budget(inputs, "dart")
-    image_pivots = check_int("dart image_pivots", image_pivots)
-    text_pivots = check_int("dart text_pivots", text_pivots, minimum=0)
+    _check_knobs(image_pivots=image_pivots, text_pivots=text_pivots)
     if budget >= inputs.n_visual:
         return keep_all(inputs)
     _check_evidence(inputs, text_pivots)

@@ -39,12 +39,20 @@ def _rank_splits(inputs: StageInputs, recycle_ratio: float, tokens_per_cluster: 
     return splits
 
 
+def _check_merge_knobs(
+    *, adaptive: bool, recycle_ratio: float, tokens_per_cluster: int, clustering: str
+) -> None:
+    check_bool("priortr_merge adaptive", adaptive)
+    check_recycling("priortr_merge", recycle_ratio, tokens_per_cluster, clustering)
+
+
 @register_method(
     "priortr+merge",
     where="layer",
     needs=("attention", "text_rows"),  # text_rows: the attention rank of adaptive=True
     summary="PriorTR ranking; the best pruned tokens clustered (K-means) and merged",
     source="PriorTR, Appendix 'PriorTR+Merging Variant'",
+    check_knobs=_check_merge_knobs,
 )
 def priortr_merge(
     inputs: StageInputs,
@@ -74,8 +82,12 @@ def priortr_merge(
     ``clustering`` (``kmeans`` as the paper says, or ``dpc_knn`` as SparseVLM's code clusters).
     """
     budget = check_budget(inputs, "priortr_merge")
-    check_bool("priortr_merge adaptive", adaptive)
-    check_recycling("priortr_merge", recycle_ratio, tokens_per_cluster, clustering)
+    _check_merge_knobs(
+        adaptive=adaptive,
+        recycle_ratio=recycle_ratio,
+        tokens_per_cluster=tokens_per_cluster,
+        clustering=clustering,
+    )
     check_attention(inputs, "priortr_merge")
     scores = priortr_score(inputs.attention).float()  # [B, N]
     n_visual = inputs.n_visual

@@ -6,6 +6,7 @@ its key-nearest tokens, before the LLM.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +70,19 @@ def _merge_rows(cls: torch.Tensor, keys: torch.Tensor, kept: torch.Tensor, neigh
     return merge
 
 
+def _check_knobs(*, adaptive: bool, plus: bool, neighbours: int) -> None:
+    check_bool("prumerge adaptive", adaptive)
+    check_bool("prumerge plus", plus)
+    check_int("prumerge neighbours", neighbours, 1)
+
+
 @register_method(
     "prumerge",
     where="vision",
     needs=("vision_last", "features"),
     summary="[CLS]-attention selection, each kept token absorbing its nearest neighbours",
     source="LLaVA-PruMerge, Shang et al., ICCV 2025",
+    check_knobs=_check_knobs,
 )
 def prumerge(
     inputs: StageInputs, *, adaptive: bool = False, plus: bool = False, neighbours: int = 32
@@ -112,9 +120,7 @@ def prumerge(
     them one per batch. Knobs: ``adaptive``, ``plus`` (bools), ``neighbours`` (int >= 1).
     """
     budget = check_budget(inputs, "prumerge")
-    adaptive = check_bool("prumerge adaptive", adaptive)
-    plus = check_bool("prumerge plus", plus)
-    neighbours = check_int("prumerge neighbours", neighbours, 1)
+    _check_knobs(adaptive=adaptive, plus=plus, neighbours=neighbours)
     cls, keys = check_vision_last(inputs, "prumerge")
     check_features(inputs, "prumerge")
     if not adaptive and budget >= inputs.n_visual:
@@ -135,6 +141,7 @@ def prumerge(
     needs=("vision_last", "features"),
     summary="PruMerge with spatially uniform tokens added to the [CLS]-attention ones",
     source="LLaVA-PruMerge+, Shang et al., ICCV 2025",
+    check_knobs=partial(_check_knobs, plus=True),
 )
 def prumerge_plus(inputs: StageInputs, *, adaptive: bool = False, neighbours: int = 32) -> Selection:
     """PruMerge+ under its own name: :func:`prumerge` with ``plus=True`` (the authors'

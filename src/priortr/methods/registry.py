@@ -69,6 +69,9 @@ class MethodInfo:
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
         layer: the scored layer of a ``layer`` method when the caller names none (its paper's setting);
             None: the library's ``DEFAULT_LAYER``.
+        check_knobs: takes every knob by keyword (the defaults filled in) and raises ValueError naming a
+            bad value; ``priortr.apply`` calls it, so a value is refused before any forward pass (every
+            built-in method with knobs has one).
     """
 
     name: str
@@ -80,6 +83,7 @@ class MethodInfo:
     schedule: Schedule | None = None
     rule: Rule | None = None
     layer: int | None = None
+    check_knobs: Callable[..., None] | None = None
 
     @property
     def default_layer(self) -> int | None:
@@ -114,9 +118,12 @@ def register_method(
     source: str,
     schedule: Schedule | None = None,
     layer: int | None = None,
+    check_knobs: Callable[..., None] | None = None,
 ) -> Callable[[Selector], Selector]:
     """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError.
-    ``layer``: a ``layer`` method's default scored layer (``MethodInfo.layer``)."""
+    ``layer``: a ``layer`` method's default scored layer (``MethodInfo.layer``); ``check_knobs``: the
+    check of its knobs' values (``MethodInfo.check_knobs``); without one, a selector with knobs checks
+    their values when it first runs."""
     if where not in WHERE:
         raise ValueError(f"where must be one of {', '.join(WHERE)}; got {where!r}")
     unknown = set(needs) - set(NEEDS)
@@ -128,7 +135,19 @@ def register_method(
         raise ValueError("only a 'layer' method has a default layer")
 
     def decorator(fn: Selector) -> Selector:
-        _add(MethodInfo(name, where, fn, frozenset(needs), summary, source, schedule, layer=layer))
+        _add(
+            MethodInfo(
+                name,
+                where,
+                fn,
+                frozenset(needs),
+                summary,
+                source,
+                schedule,
+                layer=layer,
+                check_knobs=check_knobs,
+            )
+        )
         return fn
 
     return decorator

@@ -67,6 +67,14 @@ def aggregate_heads(attn: torch.Tensor, how: str = "mean") -> torch.Tensor:
     raise ValueError(f"unknown head aggregation {how!r}; options: {', '.join(HEAD_AGGREGATIONS)}")
 
 
+NO_WEIGHT_FIX = (
+    "the attention they come from gives the visual tokens no weight (at a sliding-window layer, a row "
+    "farther from the image than the window sees none of it); score a layer that attends to the image "
+    "(layer=, a global-attention layer on models with local ones) or use another method"
+)
+"""What a row without attention on the image means, and what to change (strict=True errors, warnings)."""
+
+
 def l1_normalise(x: torch.Tensor) -> torch.Tensor:
     """Divide each row (last dim) by its sum, returning float32 categorical distributions.
 
@@ -80,7 +88,8 @@ def l1_normalise(x: torch.Tensor) -> torch.Tensor:
         bad = ~(torch.isfinite(total) & (total > 0))
         if bad.any():
             raise ValueError(
-                f"cannot L1-normalise {int(bad.sum())} row(s) whose sum is zero, negative or not finite"
+                f"cannot L1-normalise {int(bad.sum())} row(s) whose sum is zero, negative or not finite: "
+                + NO_WEIGHT_FIX
             )
     return x / total
 
@@ -189,6 +198,6 @@ def select_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_visual:
         raise ValueError(f"k must be an int with 1 <= k <= N = {n_visual}, got {k!r}")
     if value_checks() and torch.isnan(scores).any():
-        raise ValueError("scores contain NaN; cannot rank visual tokens")
+        raise ValueError(f"scores contain NaN; cannot rank visual tokens: {NO_WEIGHT_FIX}")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, N]
     return order[:, :k].sort(dim=-1).values  # [B, k]

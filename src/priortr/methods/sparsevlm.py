@@ -121,6 +121,12 @@ def _check_inputs(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor, torc
     return rows.float(), text, after, visual
 
 
+def _check_knobs(*, recycling: str, recycle_ratio: float, tokens_per_cluster: int, clustering: str) -> None:
+    if recycling not in RECYCLING:
+        raise ValueError(f"sparsevlm recycling must be one of {list(RECYCLING)}, got {recycling!r}")
+    check_recycling("sparsevlm", recycle_ratio, tokens_per_cluster, clustering)
+
+
 @register_method(
     "sparsevlm",
     where="layers",
@@ -128,6 +134,7 @@ def _check_inputs(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor, torc
     schedule=sparsevlm_stages,
     summary="attention of text raters, with pruned tokens recycled by clustering and merging",
     source="SparseVLM, Zhang et al., ICML 2025",
+    check_knobs=_check_knobs,
 )
 def sparsevlm(
     inputs: StageInputs,
@@ -161,9 +168,12 @@ def sparsevlm(
     computed in float32 or wider.
     """
     budget = check_budget(inputs, "sparsevlm")
-    if recycling not in RECYCLING:
-        raise ValueError(f"sparsevlm recycling must be one of {list(RECYCLING)}, got {recycling!r}")
-    check_recycling("sparsevlm", recycle_ratio, tokens_per_cluster, clustering)
+    _check_knobs(
+        recycling=recycling,
+        recycle_ratio=recycle_ratio,
+        tokens_per_cluster=tokens_per_cluster,
+        clustering=clustering,
+    )
     rows, text, after, visual = _check_inputs(inputs)
     n_visual = inputs.n_visual
     if budget >= n_visual:

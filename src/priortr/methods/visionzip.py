@@ -45,12 +45,18 @@ def _visionzip_row(
     return kept[order], merge[order]
 
 
+def _check_knobs(*, contextual_ratio: float, cls_takes_a_slot: bool) -> None:
+    check_fraction("visionzip contextual_ratio", contextual_ratio)
+    check_bool("visionzip cls_takes_a_slot", cls_takes_a_slot)
+
+
 @register_method(
     "visionzip",
     where="vision",
     needs=("vision", "features"),
     summary="dominant tokens by [CLS] attention plus contextual tokens merged by key similarity",
     source="VisionZip, Yang et al., CVPR 2025",
+    check_knobs=_check_knobs,
 )
 def visionzip(
     inputs: StageInputs, *, contextual_ratio: float = 10 / 64, cls_takes_a_slot: bool = True
@@ -84,8 +90,7 @@ def visionzip(
     ``inputs.vision_features`` [B, N, C]. Knobs: ``contextual_ratio`` in [0, 1], ``cls_takes_a_slot``.
     """
     budget = check_budget(inputs, "visionzip")
-    contextual_ratio = check_fraction("visionzip contextual_ratio", contextual_ratio)
-    cls_takes_a_slot = check_bool("visionzip cls_takes_a_slot", cls_takes_a_slot)
+    _check_knobs(contextual_ratio=contextual_ratio, cls_takes_a_slot=cls_takes_a_slot)
     cls, keys = check_vision(inputs, "visionzip")
     check_features(inputs, "visionzip")
     if budget >= inputs.n_visual:

@@ -49,12 +49,18 @@ def _vispruner_row(
     return torch.cat([important, diverse])
 
 
+def _check_knobs(*, important_ratio: float, step: int) -> None:
+    check_fraction("vispruner important_ratio", important_ratio)
+    check_int("vispruner step", step)
+
+
 @register_method(
     "vispruner",
     where="vision",
     needs=("vision", "features"),
     summary="important tokens by [CLS] attention plus diverse tokens by de-duplication",
     source="VisPruner, Zhang et al., ICCV 2025",
+    check_knobs=_check_knobs,
 )
 def vispruner(inputs: StageInputs, *, important_ratio: float = 0.5, step: int = 8) -> Selection:
     """VisPruner: important tokens by [CLS] attention, then diverse tokens by removing duplicates.
@@ -79,8 +85,7 @@ def vispruner(inputs: StageInputs, *, important_ratio: float = 0.5, step: int = 
     budget = check_budget(inputs, "vispruner")
     cls_attention = check_vision_cls(inputs, "vispruner")
     features = check_features(inputs, "vispruner")
-    important_ratio = check_fraction("vispruner important_ratio", important_ratio)
-    step = check_int("vispruner step", step)
+    _check_knobs(important_ratio=important_ratio, step=step)
     if budget >= inputs.n_visual:
         return keep_all(inputs)
     rows = [

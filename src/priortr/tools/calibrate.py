@@ -45,7 +45,7 @@ from priortr.methods import get_method
 from priortr.tools.bench import Spread, interleaved_lm_prefill, resolved
 from priortr.tools.flops import scheduled_prefill_flops
 from priortr.tools.journal import write_whole
-from priortr.tools.prompts import prompt_text
+from priortr.tools.prompts import check_text, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,17 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
             f"--data folder {str(directory)!r} has no {PROMPTS_FILE}; write one JSON object per line, "
             '{"image": "photo.jpg", "prompt": "What is on the table?"}, image paths relative to the folder'
         )
+    data = listing.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad_line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{listing}, line {bad_line} is not valid UTF-8 (byte "
+            f"0x{data[exc.start]:02x}); save the file as UTF-8 (or convert it with iconv -t UTF-8)"
+        ) from None
     prompts = []
-    for number, line in enumerate(listing.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{listing}, line {number}"
@@ -169,6 +178,7 @@ def folder_prompts(directory: str | Path) -> list[Prompt]:
             raise ValueError(f'{where} needs a "prompt" string: {line.strip()[:80]}')
         if not record["prompt"].strip():
             raise ValueError(f"{where}: the prompt is empty; ask a question about the image")
+        check_text(record["prompt"], f"{where}: the prompt")
         if not isinstance(record.get("image"), str):
             raise ValueError(
                 f'{where} has no "image": every prompt needs an image file (a path relative to the folder), '

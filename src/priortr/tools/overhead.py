@@ -13,7 +13,7 @@ CPU cannot show that; counts can, and they are deterministic (design notes, sect
 * hook calls are counted as the hooks registered on every module that runs.
 
 ``measure`` runs ``generate()`` with and without pruning on the same inputs and reports the counts of
-the prefill (the first model call) and of the last decode step.
+the prefill (the first model call) and of a decode step (``decode_step``).
 """
 
 from __future__ import annotations
@@ -227,6 +227,13 @@ def count_generate(
     return calls
 
 
+def decode_step(calls: list[Counts]) -> Counts:
+    """The counts of a decode step of ``count_generate``: the first one. The last call's window runs on
+    until generate() returns, so it also holds what runs after the last step (priortr's check of the
+    prefill's scores, ``PruningEngine``), which no decode step pays."""
+    return calls[1]
+
+
 def _median_call_seconds(
     model: torch.nn.Module, inputs: dict, repeats: int, **generate_kwargs
 ) -> tuple[float, float]:
@@ -248,17 +255,20 @@ def measure(
     **apply_kwargs: Any,
 ) -> Overhead:
     """Counts (and median host times) of ``model.generate(**inputs)`` without and with
-    ``priortr.apply(model, **apply_kwargs)``: the prefill and the last of three decode steps."""
+    ``priortr.apply(model, **apply_kwargs)``: the prefill and a decode step (``decode_step``)."""
     generate_kwargs = generate_kwargs or {}
     vanilla = count_generate(model, inputs, **generate_kwargs)
     vanilla_times = _median_call_seconds(model, inputs, repeats, **generate_kwargs)
     with priortr.apply(model, **apply_kwargs):
         pruned = count_generate(model, inputs, **generate_kwargs)
         pruned_times = _median_call_seconds(model, inputs, repeats, **generate_kwargs)
-    vanilla[0].seconds, vanilla[-1].seconds = vanilla_times
-    pruned[0].seconds, pruned[-1].seconds = pruned_times
+    vanilla[0].seconds, decode_step(vanilla).seconds = vanilla_times
+    pruned[0].seconds, decode_step(pruned).seconds = pruned_times
     return Overhead(
-        prefill=pruned[0], decode=pruned[-1], vanilla_prefill=vanilla[0], vanilla_decode=vanilla[-1]
+        prefill=pruned[0],
+        decode=decode_step(pruned),
+        vanilla_prefill=vanilla[0],
+        vanilla_decode=decode_step(vanilla),
     )
 
 

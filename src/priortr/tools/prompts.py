@@ -45,15 +45,33 @@ def chat_inputs(processor: Any, image: Any, prompt: str, model: nn.Module) -> di
     ).to(model.device, dtype=model.dtype)  # only floating tensors (pixels) are cast
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse ``text`` that UTF-8 cannot encode, so no tokenizer can: bytes that are not UTF-8 (which
+    Python hands on from the command line as lone surrogates, ``surrogateescape``) or a lone surrogate
+    (a JSON ``"\\ud800"`` escape). ``what`` names where the text came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        escaped = 0xDC80 <= char <= 0xDCFF  # surrogateescape's stand-in for the byte char - 0xDC00
+        found = f"byte 0x{char - 0xDC00:02x}" if escaped else f"a lone surrogate U+{char:04X}"
+        raise ValueError(
+            f"{what} is not valid UTF-8 text ({found} at character {exc.start}); pass it as UTF-8 "
+            "(set the terminal or file encoding to UTF-8, or convert it with iconv -t UTF-8)"
+        ) from None
+
+
 def check_prompt(processor: Any, prompt: str) -> None:
     """Refuse a question that is not real text: with none, the posterior P would average the chat
-    template's own tokens and pruning would run on them without a word; an image placeholder of
-    ``processor`` typed into it would ask for a second image."""
+    template's own tokens and pruning would run on them without a word; text UTF-8 cannot encode would
+    fail in the tokenizer (``check_text``); an image placeholder of ``processor`` typed into it would ask
+    for a second image."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(
             f"the prompt is empty ({prompt!r}): the methods rank the image by the instruction's attention, "
             "so pass the question to ask about the image"
         )
+    check_text(prompt, "the prompt")
     placeholders = {getattr(processor, name, None) for name in ("image_token", "video_token")} - {None, ""}
     typed = sorted(token for token in placeholders if token in prompt)
     if typed:
