@@ -16,6 +16,7 @@ from priortr import config_file
 from priortr.adapters import adapter_for
 from priortr.engine.config import PruningConfig, is_int
 from priortr.engine.hooks import PruningEngine
+from priortr.engine.prefill import StageObserver
 from priortr.engine.result import PruneResult
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -97,6 +98,18 @@ class PruningHandle:
         if not is_int(at) or at < 1:
             raise ValueError(f"at must be the prompt's column count, an int >= 1; got {at!r}")
         return self._engine.prompt_ends(at)
+
+    def observe_stages(self, observer: StageObserver) -> AbstractContextManager[None]:
+        """Within this block, ``observer("start", layer)`` and ``observer("end", layer)`` are called
+        around all of the work of each stage (evidence, decision, cut, cache compaction) of the prefills
+        that start, ``layer`` being the stage's scored layer (-1: before the language model). They run on
+        the host in the thread that runs the model, between decoder layers ``layer`` and ``layer + 1``
+        whatever other hooks the model carries: ``priortr bench`` records its timing marks there. ::
+
+            with handle.observe_stages(lambda event, layer: print(event, layer, time.perf_counter())):
+                model(**inputs)
+        """
+        return self._engine.observe_stages(observer)
 
     def __enter__(self) -> PruningHandle:
         if not self.attached:

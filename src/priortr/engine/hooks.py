@@ -33,7 +33,7 @@ from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, DegenerateScoresWarn
 from priortr.engine.continuation import Continuation, split_call
 from priortr.engine.ledger import CacheLedger, continue_call, ledger_of, write_ledger
 from priortr.engine.plan import PrefillPlan, make_plan, skip_prefill
-from priortr.engine.prefill import Prefill
+from priortr.engine.prefill import Prefill, StageObserver
 from priortr.engine.result import PrefillRecord, PruneResult
 from priortr.methods.scoring import NO_WEIGHT_FIX
 from priortr.tensors.host import to_host
@@ -66,6 +66,7 @@ class PruningEngine:
         self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
         self._prompt_ends: dict[int, int] = {}  # per thread: the columns of a call's prompt
+        self._stage_observers: list[StageObserver] = []
         self._record: PrefillRecord | None = None
         self._unchecked: PrefillRecord | None = None  # the latest prefill, its scores not yet checked
         self._warned_degenerate = False
@@ -154,6 +155,15 @@ class PruningEngine:
                 del self._prompt_ends[thread]
             else:
                 self._prompt_ends[thread] = outer
+
+    @contextlib.contextmanager
+    def observe_stages(self, observer: StageObserver) -> Iterator[None]:
+        """Within the block, prefills that start call ``observer`` around each stage's work."""
+        self._stage_observers.append(observer)
+        try:
+            yield
+        finally:
+            self._stage_observers.remove(observer)
 
     def _generate_from_prompt(self, *args: Any, **kwargs: Any) -> Any:
         """The model's generate(), whose input is the prompt: the calls it makes carry a continuation
@@ -247,7 +257,7 @@ class PruningEngine:
 
     def _prefill(self, plan: PrefillPlan, thread: int) -> Prefill:
         """The ``Prefill`` of ``plan``: the vision tower's captures of this thread, the final norm if the
-        method reads it, the model's mask builder, attention layers and local windows."""
+        method reads it, the model's mask builder, attention layers, local windows and stage observers."""
         vision = None
         if self.vision is not None:
             vision = (self.vision, self._vision_captures.setdefault(thread, {}))
@@ -261,6 +271,7 @@ class PruningEngine:
             norm,
             self.attention_layers,
             self.windows,
+            self._stage_observers,
         )
 
     def _arm(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> list[RemovableHandle]:

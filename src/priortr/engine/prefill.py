@@ -9,6 +9,7 @@ cut receive RoPE and masks gathered to the kept tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ from priortr.engine.plan import PrefillPlan
 from priortr.engine.result import LayerCache, PrefillRecord
 from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
+
+StageObserver = Callable[[str, int], None]
+"""Called as ``observer("start", layer)`` before and ``observer("end", layer)`` after all of the work of the
+stage scored at ``layer`` (evidence, decision, cut, cache compaction, record), on the host, in the thread
+running the model: timing marks (``priortr bench``) or profiling ranges."""
 
 
 class Prefill:
@@ -39,6 +45,7 @@ class Prefill:
         final_norm: torch.nn.Module | None = None,
         attention_layers: frozenset[int] | None = None,
         windows: list[compat.layers.Window | None] | None = None,
+        observers: Sequence[StageObserver] = (),
     ) -> None:
         self.plan = plan
         self.config = config
@@ -48,6 +55,7 @@ class Prefill:
         self.attention_layers = attention_layers
         self.windows = windows
         self.final_norm = final_norm
+        self.observers = tuple(observers)
         self.state = StageState.of_prompt(plan)
         self.pending = list(plan.stages)
         self.scored: ScoredLayer | None = None  # what the next stage's scored layer handed over
@@ -96,8 +104,11 @@ class Prefill:
         self, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
         """The next stage, before ``next_layer`` runs on ``hidden`` [B, S', D] with the prompt's RoPE
-        ``rope`` (not yet gathered): the stage core, then the record."""
-        layer = self.pending.pop(0)
+        ``rope`` (not yet gathered): the stage core, then the record; ``observers`` see its start and end."""
+        layer = self.pending[0]
+        for observe in self.observers:
+            observe("start", layer)
+        self.pending.pop(0)
         project = self.vision[0].projector if self.vision is not None else None
         sources = self._sources(layer, hidden, next_layer, rope)
         outcome = run_stage(layer, sources, hidden, self.cache, project)
@@ -109,6 +120,8 @@ class Prefill:
             self.state = outcome.state
         if not self.pending:
             self.finish()
+        for observe in self.observers:
+            observe("end", layer)
         return outcome.hidden
 
     def finish(self) -> None:

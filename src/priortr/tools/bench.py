@@ -114,14 +114,11 @@ class BenchReport:
 
 
 @contextmanager
-def timing_hooks(model: nn.Module, clock_ref: list[Clock], stage_layers: Sequence[int]) -> Iterator[None]:
-    """Marks around the image path, the language model and each pruning stage's scoring + surgery:
-    from the end of layer L's own computation to the start of layer L+1's, or for a stage before the
-    language model (L = -1) the engine's work in front of layer 0."""
+def timing_hooks(model: nn.Module, clock_ref: list[Clock]) -> Iterator[None]:
+    """Marks around the image path (vision tower to projector) and the language model's forward."""
     adapter = adapter_for(model)
     first, last = adapter.vision_modules(model)
     language = adapter.language_model(model)
-    layers = adapter.decoder_layers(model)
 
     def at(name: str) -> Callable[..., None]:
         return lambda *_: clock_ref[0].mark(name)
@@ -132,19 +129,18 @@ def timing_hooks(model: nn.Module, clock_ref: list[Clock], stage_layers: Sequenc
         language.register_forward_pre_hook(at("lm_start")),
         language.register_forward_hook(at("lm_end")),
     ]
-    for stage, layer in enumerate(stage_layers):
-        start, end = f"score_start_{stage}", f"score_end_{stage}"
-        if layer < 0:
-            handles.append(layers[0].register_forward_pre_hook(at(start), prepend=True))
-            handles.append(layers[0].register_forward_pre_hook(at(end)))
-        else:
-            handles.append(layers[layer].register_forward_hook(at(start), prepend=True))
-            handles.append(layers[layer + 1].register_forward_pre_hook(at(end)))
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def stage_marks(handle: priortr.PruningHandle, clock_ref: list[Clock]) -> AbstractContextManager[None]:
+    """Marks ``stage_start_L`` / ``stage_end_L`` around all of the work of the stage scored at layer L
+    (evidence, decision, cut, cache compaction), placed by the engine itself (``observe_stages``), so
+    they bracket the stage whatever order the model's hooks were registered in."""
+    return handle.observe_stages(lambda event, layer: clock_ref[0].mark(f"stage_{event}_{layer}"))
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> Ceilings:
@@ -326,7 +322,8 @@ class Bench:
         clock_ref = [Clock(self.model.device)]
         with (
             pruning as handle,
-            timing_hooks(self.model, clock_ref, [layer for layer, _ in stages]),
+            timing_hooks(self.model, clock_ref),
+            stage_marks(handle, clock_ref) if handle is not None else nullcontext(),
             torch.inference_mode(),
         ):
             yield clock_ref, stages, handle
@@ -348,7 +345,8 @@ class Bench:
         with self._attached(case) as (clock_ref, stages, _):
             clock_ref[0] = clock = Clock(self.model.device)
             self.model(**inputs, use_cache=True, logits_to_keep=1)
-            overhead = sum(clock.elapsed_ms(f"score_start_{i}", f"score_end_{i}") for i in range(len(stages)))
+            marks = [(f"stage_start_{layer}", f"stage_end_{layer}") for layer, _ in stages]
+            overhead = sum(clock.elapsed_ms(start, end) for start, end in marks)
             record = {
                 "kind": "prefill",
                 "case": list(case),
@@ -489,7 +487,7 @@ def interleaved_lm_prefill(
     for round_ in range(warmup + repeats):
         for name in rotated(names, round_):
             clock = [Clock(model.device)]
-            with arms[name](), timing_hooks(model, clock, []), torch.inference_mode():
+            with arms[name](), timing_hooks(model, clock), torch.inference_mode():
                 model(**inputs, use_cache=True, logits_to_keep=1)
                 if round_ >= warmup:
                     times[name].append(clock[0].elapsed_ms("lm_start", "lm_end"))
@@ -544,12 +542,15 @@ def format_markdown(report: BenchReport) -> str:
         f"ceilings: matmul {report.ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s, "
         f"copy {report.ceilings.copy_bytes_per_s / 1e9:.1f} GB/s",
         "",
-        "| method | K | batch | LM prefill ms (median [q25, q75]) | ViT+proj ms | scoring+surgery ms "
+        "| method | K | batch | LM prefill ms (median [q25, q75]) | ViT+proj ms | stage ms "
         "| KV MiB | samples/s | tokens/s | speed-up | roofline limit | of limit |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report.cases:
-        overhead = f"{c.overhead_ms.median:.3f}" if c.overhead_ms else "-"
+        overhead = "-"
+        if c.overhead_ms:
+            noisy = c.overhead_ms.width > c.overhead_ms.median
+            overhead = f"{c.overhead_ms.median:.3f}{' (!)' if noisy else ''}"
         lines.append(
             f"| {c.method} | {c.budget if c.budget is not None else 'all'} | {c.batch} "
             f"| {c.lm_prefill_ms} | {c.vision_ms.median:.2f} | {overhead} "
@@ -557,8 +558,22 @@ def format_markdown(report: BenchReport) -> str:
             f"| {c.speedup:.2f}x{'' if c.resolved else ' (!)'} | {c.limit_speedup:.2f}x "
             f"| {c.limit_ratio:.0%} |"
         )
+    lines += ["", *COLUMNS]
     lines += [f"\nwarning: {line}" for line in spread_warnings(report)]
     return "\n".join(lines) + "\n"
+
+
+COLUMNS = (
+    "columns: LM prefill ms = the language model's forward in one prefill (embedding lookup to final norm:",
+    "  every decoder layer and, for pruned rows, every stage); ViT+proj ms = vision tower to projector;",
+    "  stage ms = all of the pruning stages' own work inside the LM prefill (evidence, decision, cut, cache",
+    "  compaction), marked by the engine around each stage, summed over stages (- : no stage); KV MiB =",
+    "  the cache a prefill leaves; samples/s, tokens/s = end-to-end greedy generate(); speed-up = vanilla's",
+    "  LM prefill median / this one's; roofline limit = the same ratio predicted from FLOPs and bytes.",
+    "  (!) = within noise: a speed-up whose medians differ by less than the timings' spread, or a stage",
+    "  cost whose interquartile range is wider than its median.",
+)
+"""What each column of ``format_markdown``'s table brackets, printed under it."""
 
 
 def spread_warnings(report: BenchReport) -> list[str]:
