@@ -139,6 +139,31 @@ def test_chat_completions_match_hf(server, llava_dir):
         assert answer == hf_tokens(llava_dir, prompt, [image(28, seed)], settings, TOKENS), seed
 
 
+def test_burst_on_one_image_with_mixed_budgets_matches_hf(server, llava_dir):
+    """Eight concurrent chats about one image at budgets 2, 4 (the engine's), 8 and off, sent twice
+    (the second round meets vLLM's processor and encoder caches filled by the first): every answer
+    is priortr.apply's. Each budget here rides in the request's processor settings, which vLLM's
+    image hash includes, so this passed on main too; the same image at two K under one setting is
+    the Qwen-VL test's third request."""
+    picture = image(28, 70)
+    budgets = [{"budget": 2}, None, {"budget": 8}, {"enabled": False}] * 2
+    prompt = f"<s>USER: <image>\n{QUESTION} ASSISTANT:"
+    expected = [
+        hf_tokens(
+            llava_dir,
+            prompt,
+            [picture],
+            None if b == {"enabled": False} else {**SETTINGS, **(b or {})},
+            TOKENS,
+        )
+        for b in budgets
+    ]
+    for _ in range(2):
+        with ThreadPoolExecutor(len(budgets)) as pool:
+            answers = list(pool.map(lambda budget: chat(server, str(llava_dir), [picture], budget), budgets))
+        assert answers == expected
+
+
 def test_bad_request_setting_is_a_client_error(server, llava_dir):
     with pytest.raises(urllib.error.HTTPError) as error:
         chat(server, str(llava_dir), [image(28, 0)], {"layer": 3})
@@ -149,7 +174,12 @@ def test_qwen2_vl_chat_completions_with_two_images_match_hf(qwen_dir, tmp_path):
     """M-RoPE over HTTP: a two-image request with its own budget beside a one-image request."""
     settings = {"method": "priortr", "budget": 6, "layer": 1}
     limits = '--limit-mm-per-prompt={"image": 2, "video": 0}'
-    cases = [([image(112, 40), image(56, 41)], {"budget": 10}), ([image(112, 42)], None)]
+    picture = image(112, 42)
+    cases = [
+        ([image(112, 40), image(56, 41)], {"budget": 10}),
+        ([picture], None),
+        ([picture, picture], {"budget": 5}),  # the same image twice, kept at 3 and 2
+    ]
     with serving(qwen_dir, tmp_path, settings, limits) as url, ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda case: chat(url, str(qwen_dir), *case), cases))
     for (pictures, budget), answer in zip(cases, answers, strict=True):

@@ -77,36 +77,61 @@ class PruningProcessor:
         return replace(inputs, hf_processor_mm_kwargs=off)
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
-        """vLLM's processing, then the request's images cut to the placeholders they keep."""
-        out = super().apply(inputs, timing_ctx)
+        """vLLM's processing, then the request's images cut to the placeholders they keep.
+
+        vLLM keys its encoder cache (and checks each entry's embedding count against the request's
+        placeholders) by an image's hash, while K depends on the request: the same image kept at two
+        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
+        So a pruned request is laid out first without vLLM's processor cache (which must see only what
+        reaches the engine), and then processed again with each image identified as (image, K)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
-        if engine is None:
-            return out
-        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY))
+        config = (
+            None
+            if engine is None
+            else request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY))
+        )
+        if config is None:
+            return super().apply(inputs, timing_ctx)
+        laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
+        images = list(laid_out["mm_placeholders"].get("image", []))
+        counts = image_counts(hf_config, config, laid_out)
+        if all(kept == span.length for kept, span in zip(counts, images, strict=True)):
+            return super().apply(inputs, timing_ctx)
+        identities = [
+            f"{image_hash}:priortr-kept-{kept}"
+            for image_hash, kept in zip(laid_out["mm_hashes"]["image"], counts, strict=True)
+        ]
+        keyed = replace(inputs, mm_uuid_items={**(inputs.mm_uuid_items or {}), "image": identities})
+        out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
-        images = list(placeholders.get("image", []))
-        if config is None or not images:
-            return out
-        others = sorted(modality for modality, spans in placeholders.items() if spans and modality != "image")
-        if others:
-            raise ValueError(
-                f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
-                f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
-            )
-        if any(span.is_embed is not None for span in images):
-            raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
-        counts = kept_counts(hf_config, config, out["prompt_token_ids"])
-        by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
-        if len(counts) != len(images):
-            raise ValueError(
-                f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
-                "text between images"
-            )
-        counts_in_order = [0] * len(images)
-        for rank, i in enumerate(by_offset):
-            counts_in_order[i] = counts[rank]
-        if all(kept == span.length for kept, span in zip(counts_in_order, images, strict=True)):
-            return out
-        prompt, ranges = shrink_prompt(out["prompt_token_ids"], images, counts_in_order)
+        prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
         return {**out, "prompt_token_ids": prompt, "mm_placeholders": {**placeholders, "image": ranges}}
+
+
+def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[int]:
+    """Tokens each image of a processed request (``laid_out``: N placeholders per image) keeps under
+    ``config``, in vLLM's order of its images; refuses what the plug-in cannot prune."""
+    placeholders = laid_out["mm_placeholders"]
+    images = list(placeholders.get("image", []))
+    if not images:
+        return []
+    others = sorted(modality for modality, spans in placeholders.items() if spans and modality != "image")
+    if others:
+        raise ValueError(
+            f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
+            f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
+    if any(span.is_embed is not None for span in images):
+        raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
+    counts = kept_counts(hf_config, config, laid_out["prompt_token_ids"])
+    if len(counts) != len(images):
+        raise ValueError(
+            f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
+            "text between images"
+        )
+    by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
+    in_order = [0] * len(images)
+    for rank, i in enumerate(by_offset):
+        in_order[i] = counts[rank]
+    return in_order
