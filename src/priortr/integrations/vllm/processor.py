@@ -73,6 +73,8 @@ class PruningProcessor:
         """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
         its encoder cache and memory for unpruned requests, which a request may always ask for."""
         inputs = super().get_dummy_inputs(*args, **kwargs)
+        if served_config(self.info.get_hf_config()) is None:
+            return inputs
         off = {**inputs.hf_processor_mm_kwargs, SETTINGS_KEY: {"enabled": False}}
         return replace(inputs, hf_processor_mm_kwargs=off)
 
