@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 
+from priortr.integrations.vllm.decoder import check_backend
 from priortr.integrations.vllm.settings import engine_config, request_config
 
 N_LAYERS = 4
@@ -42,6 +44,49 @@ def test_exact_settings_start(llava_dir):
 def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(llava_dir, **setting)
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [
+        ({"video_pruning_rate": 0.5}, "--video-pruning-rate"),
+        ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+        (
+            {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+            "--kv-transfer-config",
+        ),
+        (
+            {"ec_transfer_config": {"ec_connector": "ECExampleConnector", "ec_role": "ec_both"}},
+            "--ec-transfer-config",
+        ),
+        ({"enable_lora": True}, "--enable-lora"),
+        ({"compilation_config": {"cudagraph_mm_encoder": True}}, "cudagraph_mm_encoder"),
+        ({"data_parallel_size": 2}, "--data-parallel-size 1"),
+    ],
+    ids=["video-pruning", "kv-offloading", "kv-connector", "ec-connector", "lora", "encoder-graphs", "dp"],
+)
+def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
+    """Each setting alone, on Qwen2.5-VL (the family with video pruning); the same settings without
+    priortr start (a negative control of the refusal, not of the setting)."""
+    with pytest.raises(ValueError, match=flag):
+        config_of(qwen2_5_dir, **setting)
+    config_of(qwen2_5_dir, **setting, hf_overrides={})
+
+
+def test_unreadable_attention_backend_is_refused():
+    class Backend:
+        @staticmethod
+        def get_name() -> str:
+            return "FLASHINFER"
+
+    class Attention(torch.nn.Module):
+        def get_attn_backend(self) -> type:
+            return Backend
+
+    with pytest.raises(ValueError, match=r"FLASHINFER backend .* --attention-backend"):
+        check_backend(Attention())
+    Backend.get_name = staticmethod(lambda: "CPU_ATTN")
+    check_backend(Attention())  # negative control: the CPU build's backend is read
 
 
 def test_stock_model_is_untouched(llava_dir):
