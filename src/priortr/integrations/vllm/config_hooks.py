@@ -40,7 +40,7 @@ def refusals(vllm_config: Any) -> list[str]:
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         out.append(
             "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with data parallelism)"
+            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with one server per replica)"
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
