@@ -8,7 +8,13 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 
 from priortr.integrations.vllm.decoder import check_backend
-from priortr.integrations.vllm.settings import engine_config, request_config
+from priortr.integrations.vllm.settings import (
+    RequestPolicy,
+    check_request_kwargs,
+    engine_config,
+    request_config,
+    request_policy,
+)
 
 N_LAYERS = 4
 
@@ -121,3 +127,32 @@ def test_request_settings():
     for bad, message in [({"layer": 1}, "only budget, enabled"), ({"budget": -1}, "positive"), (3, "a dict")]:
         with pytest.raises(ValueError, match=message):
             request_config(config, bad)
+
+
+def test_request_policy():
+    """The operator's allow-lists: budgets a request may ask for, processor keywords beside priortr."""
+    settings = {"method": "priortr", "budget": 64, "request_budgets": [32, 0.25]}
+    config = engine_config(settings, N_LAYERS)
+    policy = request_policy(settings)
+    assert request_config(config, {"budget": 32}, policy).budget == 32
+    assert request_config(config, {"budget": 0.25}, policy).budget == 0.25
+    assert request_config(config, {"enabled": False}, policy) is None
+    with pytest.raises(ValueError, match=r"request budgets 32, 0\.25; got 16"):
+        request_config(config, {"budget": 16}, policy)
+    assert request_config(config, {"budget": 16}).budget == 16  # no list: any valid budget
+    for bad in [
+        {"request_budgets": []},
+        {"request_budgets": [0]},
+        {"request_processor_kwargs": "max_pixels"},
+    ]:
+        with pytest.raises(ValueError, match=r"request_|positive"):
+            engine_config({"method": "priortr", **bad}, N_LAYERS)
+
+
+def test_request_processor_kwargs_beside_priortr_are_refused():
+    request = {"priortr": {"budget": 8}, "max_pixels": 4096}
+    with pytest.raises(ValueError, match=r"only .priortr. .* got max_pixels"):
+        check_request_kwargs(request, {}, RequestPolicy())
+    check_request_kwargs(request, {"max_pixels": 4096}, RequestPolicy())  # the operator's own value
+    check_request_kwargs(request, {}, RequestPolicy(processor_kwargs=frozenset({"max_pixels"})))
+    check_request_kwargs({"priortr": {"budget": 8}}, {}, RequestPolicy())

@@ -20,7 +20,13 @@ from vllm.multimodal.inputs import PlaceholderRange
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
 from priortr.engine.plan import plan_on_host
-from priortr.integrations.vllm.settings import SETTINGS_KEY, engine_config, request_config
+from priortr.integrations.vllm.settings import (
+    SETTINGS_KEY,
+    check_request_kwargs,
+    engine_config,
+    request_config,
+    request_policy,
+)
 
 
 def served_config(hf_config: Any) -> PruningConfig | None:
@@ -88,11 +94,12 @@ class PruningProcessor:
         reaches the engine), and then processed again with each image identified as (image, K)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
-        config = (
-            None
-            if engine is None
-            else request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY))
-        )
+        if engine is None:
+            return super().apply(inputs, timing_ctx)
+        policy = request_policy(getattr(hf_config, SETTINGS_KEY))
+        engine_defaults = self.info.ctx.model_config.multimodal_config.mm_processor_kwargs or {}
+        check_request_kwargs(inputs.hf_processor_mm_kwargs, engine_defaults, policy)
+        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
         if config is None:
             return super().apply(inputs, timing_ctx)
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
