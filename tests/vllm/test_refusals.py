@@ -7,6 +7,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 
+from priortr.integrations.vllm.config_hooks import PruningConfigHook, refusals
 from priortr.integrations.vllm.decoder import check_backend
 from priortr.integrations.vllm.settings import (
     RequestPolicy,
@@ -77,6 +78,17 @@ def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(qwen2_5_dir, **setting)
     config_of(qwen2_5_dir, **setting, hf_overrides={})
+
+
+def test_model_runner_v2_is_refused(llava_dir, monkeypatch):
+    """vLLM's CPU build cannot configure Model Runner V2 (it needs Triton), so V2 is stood in by the
+    config's own flag: an engine that would run it is refused with the setting to change."""
+    config = config_of(llava_dir)
+    assert not config.use_v2_model_runner
+    assert not any("Model Runner V2" in line for line in refusals(config))
+    monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        PruningConfigHook.verify_and_update_config(config)
 
 
 def test_unreadable_attention_backend_is_refused():
