@@ -62,8 +62,10 @@ class PruningModel:
     stock: type
     """vLLM's own class, built instead for a model config without ``priortr`` settings."""
 
-    def __new__(cls, *, vllm_config: Any, prefix: str = "") -> Any:
-        if served_config(vllm_config.model_config.hf_config) is None:
+    def __new__(cls, *args: Any, vllm_config: Any = None, prefix: str = "", **kwargs: Any) -> Any:
+        """vLLM's own class for a config without priortr settings; called without a config (copying,
+        unpickling), a bare instance as ``object.__new__`` makes it."""
+        if vllm_config is not None and served_config(vllm_config.model_config.hf_config) is None:
             return cls.stock(vllm_config=vllm_config, prefix=prefix)
         return super().__new__(cls)
 
