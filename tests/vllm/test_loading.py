@@ -4,9 +4,12 @@ one warning and registers nothing; a model config without priortr settings gets 
 from __future__ import annotations
 
 import logging
+import tomllib
+from pathlib import Path
 
 import pytest
 import vllm
+from packaging.requirements import Requirement
 from vllm import LLM, SamplingParams
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
 
@@ -30,6 +33,14 @@ from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 )
 def test_supported_versions(version, expected):
     assert plugin.supported(version) is expected
+
+
+def test_vllm_extra_is_the_supported_range():
+    """pyproject's vllm extra (what pip installs, and what CI resolves) is SUPPORTED_VLLM."""
+    project = tomllib.loads(Path(__file__).parents[2].joinpath("pyproject.toml").read_text())["project"]
+    (extra,) = project["optional-dependencies"]["vllm"]
+    assert Requirement(extra).name == "vllm"
+    assert Requirement(extra).specifier == plugin.SUPPORTED_VLLM
 
 
 @pytest.fixture
