@@ -38,7 +38,7 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import served_config
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, served_config
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -52,6 +52,19 @@ def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
             runs.append((start, row))
             start = None
     return runs
+
+
+def recorded_length(mm_features: list) -> int | None:
+    """The prompt length the processor recorded with a pruned request's images (``processor.py``),
+    None for a request whose images carry none (it prunes nothing)."""
+    lengths = {
+        int(feature.data[PROMPT_LENGTH_KEY].data)
+        for feature in mm_features
+        if feature.modality == "image" and PROMPT_LENGTH_KEY in feature.data
+    }
+    if len(lengths) > 1:
+        raise RuntimeError(f"priortr: a request's images recorded different prompt lengths {sorted(lengths)}")
+    return lengths.pop() if lengths else None
 
 
 class PruningModel:
@@ -80,6 +93,7 @@ class PruningModel:
         self._text = TextModel(self, self.priortr.layer)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
+        kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions, not by the encoder
         embeddings = super().embed_multimodal(**kwargs)
         return [image.reshape(1, -1) for image in embeddings]  # [1, N * D] per image
 
@@ -117,7 +131,7 @@ class PruningModel:
         def full(prompt: list[int], starts: list[int]) -> tuple[torch.Tensor, int]:
             return self._full_positions(prompt, starts, mm_features, others)
 
-        return request_positions(input_tokens, images, self._image_token, full)
+        return request_positions(input_tokens, images, self._image_token, full, recorded_length(mm_features))
 
     def _stock_positions(self, prompt: list[int], features: list) -> tuple[torch.Tensor, int]:
         """The stock class's M-RoPE positions (Qwen)."""

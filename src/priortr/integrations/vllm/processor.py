@@ -15,7 +15,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from vllm.multimodal.inputs import PlaceholderRange
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
@@ -27,6 +32,10 @@ from priortr.integrations.vllm.settings import (
     request_config,
     request_policy,
 )
+
+PROMPT_LENGTH_KEY = "priortr_prompt_length"
+"""The field of a pruned request's image items that holds the length of the request's scheduled
+prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
 
 
 def served_config(hf_config: Any) -> PruningConfig | None:
@@ -91,7 +100,8 @@ class PruningProcessor:
         placeholders) by an image's hash, while K depends on the request: the same image kept at two
         counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
         So a pruned request is laid out first without vLLM's processor cache (which must see only what
-        reaches the engine), and then processed again with each image identified as (image, K)."""
+        reaches the engine), and then processed again with each image identified as (image, K, prompt
+        length): the image carries the prompt length (``with_prompt_length``)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
         if engine is None:
@@ -107,15 +117,38 @@ class PruningProcessor:
         counts = image_counts(hf_config, config, laid_out)
         if all(kept == span.length for kept, span in zip(counts, images, strict=True)):
             return super().apply(inputs, timing_ctx)
+        length = len(laid_out["prompt_token_ids"]) - sum(
+            span.length - kept for span, kept in zip(images, counts, strict=True)
+        )
         identities = [
-            f"{image_hash}:priortr-kept-{kept}"
+            f"{image_hash}:priortr-kept-{kept}-prompt-{length}"
             for image_hash, kept in zip(laid_out["mm_hashes"]["image"], counts, strict=True)
         ]
         keyed = replace(inputs, mm_uuid_items={**(inputs.mm_uuid_items or {}), "image": identities})
         out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
-        return {**out, "prompt_token_ids": prompt, "mm_placeholders": {**placeholders, "image": ranges}}
+        items = [with_prompt_length(item, length) for item in out["mm_kwargs"]["image"]]
+        return {
+            **out,
+            "prompt_token_ids": prompt,
+            "mm_placeholders": {**placeholders, "image": ranges},
+            "mm_kwargs": type(out["mm_kwargs"])({**out["mm_kwargs"], "image": items}),
+        }
+
+
+def with_prompt_length(item: MultiModalKwargsItem | None, length: int) -> MultiModalKwargsItem | None:
+    """``item`` (an image of a pruned request) with the request's prompt length as one more field.
+
+    vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
+    asks the model for its positions again, so the prompt length cannot be read from the tokens.
+    It rides on the image instead, which every cache keys by the image's identity; that identity
+    holds the length too, so requests that share a cached item share its length. ``None`` (an item
+    vLLM's processor cache already sent to the engine, which has it with this field) stays None."""
+    if item is None:
+        return None
+    field = MultiModalFieldElem(data=torch.tensor(length), field=MultiModalBatchedField(keep_on_cpu=True))
+    return MultiModalKwargsItem({**item, PROMPT_LENGTH_KEY: field})
 
 
 def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[int]:
