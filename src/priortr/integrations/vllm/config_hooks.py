@@ -44,12 +44,6 @@ def refusals(vllm_config: Any) -> list[str]:
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
-    if vllm_config.use_v2_model_runner:
-        out.append(
-            "Model Runner V2: after a preemption it re-adds a request with its generated tokens as its "
-            "prompt, and the plug-in would score them as instruction; set VLLM_USE_V2_MODEL_RUNNER=0 "
-            "(the V1 runner, which the plug-in is tested with)"
-        )
     if parallel.data_parallel_size > 1:
         out.append(
             "data parallelism: vLLM pads and synchronises the replicas' steps, which the plug-in's pruned "
