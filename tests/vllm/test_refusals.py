@@ -69,8 +69,18 @@ def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
         ({"enable_lora": True}, "--enable-lora"),
         ({"compilation_config": {"cudagraph_mm_encoder": True}}, "cudagraph_mm_encoder"),
         ({"data_parallel_size": 2}, "--data-parallel-size 1"),
+        ({"mm_processor_cache_type": "shm"}, "--mm-processor-cache-type lru"),
     ],
-    ids=["video-pruning", "kv-offloading", "kv-connector", "ec-connector", "lora", "encoder-graphs", "dp"],
+    ids=[
+        "video-pruning",
+        "kv-offloading",
+        "kv-connector",
+        "ec-connector",
+        "lora",
+        "encoder-graphs",
+        "dp",
+        "shm-cache",
+    ],
 )
 def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
     """Each setting alone, on Qwen2.5-VL (the family with video pruning); the same settings without

@@ -70,6 +70,12 @@ def refusals(vllm_config: Any) -> list[str]:
             "each image's N rows; drop cudagraph_mm_encoder from --compilation-config"
         )
     multimodal = vllm_config.model_config.multimodal_config
+    if multimodal is not None and multimodal.mm_processor_cache_type == "shm":
+        out.append(
+            "shared-memory processor cache: it stores an image's item before the plug-in adds the "
+            "request's prompt length to it, which a re-prefill after preemption reads; pass "
+            "--mm-processor-cache-type lru"
+        )
     if multimodal is not None and multimodal.video_pruning_rate:
         out.append(
             "video pruning: vLLM then appends position channels to image embeddings, which the "
