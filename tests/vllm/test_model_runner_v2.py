@@ -22,11 +22,17 @@ from vllm.v1.worker.gpu.mm.rope import RopeState
 
 from priortr.integrations.vllm import models
 from priortr.integrations.vllm.prefill_step import PrunedPrompt, StepImage, StepInputs, plan_step
-from tests.vllm.reference import ENGINE, QWEN_IMAGE, image
+from tests.vllm.reference import ENGINE, LLAVA_PROMPT, QWEN_IMAGE, image
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
-PROMPT = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
 GENERATED = 7
+CASES = {
+    "qwen_dir": (
+        f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:",
+        [image(112, 20), image(56, 30)],
+    ),
+    "llava_dir": (LLAVA_PROMPT.format("what is in the image"), [image(28, 0)]),
+}
 
 
 class StagedRows:
@@ -40,12 +46,14 @@ class StagedRows:
         self.rows[row] = values
 
 
-@pytest.fixture(scope="module")
-def first_add(qwen_dir):
-    """(model, prompt, mm_features, V1 positions [3, P], delta) of one pruned two-image request, as
-    the V1 runner asked for them when the request arrived."""
+@pytest.fixture(scope="module", params=list(CASES), ids=["qwen2-vl", "llava"])
+def first_add(request):
+    """(model, prompt, mm_features, V1 positions [3, P], delta, generated tokens) of one pruned
+    request (Qwen2-VL with two images, M-RoPE; LLaVA with one, 1-D RoPE through vLLM's M-RoPE
+    bookkeeping), as the V1 runner asked for them when the request arrived."""
+    text, images = CASES[request.param]
     engine = LLM(
-        model=str(qwen_dir),
+        model=str(request.getfixturevalue(request.param)),
         hf_overrides={"priortr": SETTINGS},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
@@ -60,9 +68,9 @@ def first_add(qwen_dir):
         return out
 
     model.get_mrope_input_positions = recording
-    request = {"prompt": PROMPT, "multi_modal_data": {"image": [image(112, 20), image(56, 30)]}}
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0, ignore_eos=True)
-    out = engine.generate([request], params, use_tqdm=False)[0]
+    data = {"image": images if len(images) > 1 else images[0]}
+    out = engine.generate([{"prompt": text, "multi_modal_data": data}], params, use_tqdm=False)[0]
     del model.get_mrope_input_positions
     ((prompt, features, positions, delta),) = calls
     assert prompt == list(out.prompt_token_ids)
@@ -94,7 +102,7 @@ def planned(model, tokens: list[int], positions: torch.Tensor, features: list) -
     ]
     step = StepInputs(tokens, images)
     (prompt,) = plan_step(
-        step, positions.tolist(), [0, len(tokens)], [len(tokens)], model._image_token, False
+        step, positions.tolist(), [0, len(tokens)], [len(tokens)], model._image_token, model.linear_rope
     )
     return prompt
 
