@@ -79,6 +79,11 @@ NAMES = [
     Name("vllm.multimodal.inputs", "PlaceholderRange.offset"),
     Name("vllm.multimodal.inputs", "PlaceholderRange.length"),
     Name("vllm.multimodal.inputs", "PlaceholderRange.is_embed"),
+    Name("vllm.multimodal.inputs", "MultiModalFieldElem.data"),
+    Name("vllm.multimodal.inputs", "MultiModalFieldElem.field"),
+    Name("vllm.multimodal.inputs", "MultiModalBatchedField"),
+    Name("vllm.multimodal.inputs", "BaseMultiModalField.keep_on_cpu"),
+    Name("vllm.multimodal.inputs", "MultiModalKwargsItem"),
     Name("vllm.multimodal.processing.inputs", "ProcessorInputs.hf_processor_mm_kwargs"),
     Name("vllm.multimodal.processing.inputs", "ProcessorInputs.mm_uuid_items"),
     Name("vllm.multimodal.processing.inputs", "ProcessorInputs.cache"),
@@ -110,6 +115,7 @@ NAMES = [
     Name("vllm.config.vllm", "VllmConfig.lora_config"),
     Name("vllm.config.compilation", "CompilationConfig.cudagraph_mm_encoder"),
     Name("vllm.config.multimodal", "MultiModalConfig.video_pruning_rate"),
+    Name("vllm.config.multimodal", "MultiModalConfig.mm_processor_cache_type"),
     *_served(),
 ]
 
