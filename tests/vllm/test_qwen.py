@@ -30,7 +30,9 @@ def served(request):
 
 
 def request(prompt: str, images: list, budget: dict | None = None) -> dict:
-    out = {"prompt": prompt, "multi_modal_data": {"image": images if len(images) > 1 else images[0]}}
+    out: dict = {"prompt": prompt}
+    if images:
+        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
     if budget is not None:
         out["mm_processor_kwargs"] = {"priortr": budget}
     return out
@@ -51,6 +53,31 @@ def test_one_and_two_images_with_per_request_budgets(served):
         assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, settings, TOKENS)
     assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 6, 12 + 10, 9 + 16]
     assert hf_tokens(path, *cases[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
+
+
+def test_one_image_kept_at_several_counts_in_flight(served):
+    """vLLM's encoder cache is keyed by the image, K by the request: one image reaches the engine at
+    K = 6, at 3 and 2 twice in one request (budget 5 splits 16 + 16 unevenly), at 10, at 4 (a ratio
+    budget, 0.25), at 5 beside another image, unpruned, and beside a text-only prompt, all in one step.
+    Every answer must be priortr.apply's (on main the later requests of an image came back empty)."""
+    path, llm = served
+    picture = image(112, 60)
+    cases = [
+        (ONE, [picture], None),
+        (TWO, [picture, picture], {"budget": 5}),
+        (ONE, [picture], {"budget": 10}),
+        (ONE, [picture], {"budget": 0.25}),
+        (ONE, [picture], {"enabled": False}),
+        (TWO, [picture, image(56, 61)], None),
+        ("USER: what is the color of the cat ASSISTANT:", [], None),
+    ]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+    for index, ((prompt, images, budget), out) in enumerate(zip(cases, outs, strict=True)):
+        pruned = images and budget != {"enabled": False}
+        settings = {**SETTINGS, **(budget or {})} if pruned else None
+        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, settings, TOKENS), index
+    assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 5, 9 + 10, 9 + 4, 9 + 16, 12 + 6, 9]
 
 
 def test_preemption_by_recompute_is_exact(qwen_dir):

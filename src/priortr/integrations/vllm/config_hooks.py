@@ -40,10 +40,47 @@ def refusals(vllm_config: Any) -> list[str]:
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         out.append(
             "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with data parallelism)"
+            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with one server per replica)"
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
+    if parallel.data_parallel_size > 1:
+        out.append(
+            "data parallelism: vLLM pads and synchronises the replicas' steps, which the plug-in's pruned "
+            "steps were never run under; pass --data-parallel-size 1 and run one server per replica"
+        )
+    if vllm_config.kv_transfer_config is not None or vllm_config.cache_config.kv_offloading_size:
+        out.append(
+            "KV connectors / KV offloading: an external cache hit hands a prompt over in pieces and "
+            "skips layers 0..L; drop --kv-transfer-config and --kv-offloading-size"
+        )
+    if vllm_config.ec_transfer_config is not None:
+        out.append(
+            "encoder-cache transfer: another instance's encoder outputs are not the N rows per image the "
+            "plug-in keeps; drop --ec-transfer-config"
+        )
+    if vllm_config.lora_config is not None:
+        out.append(
+            "LoRA: adapter weights change layers 0..L, which the plug-in runs outside vLLM's LoRA "
+            "kernels; drop --enable-lora"
+        )
+    if vllm_config.compilation_config.cudagraph_mm_encoder:
+        out.append(
+            "encoder CUDA graphs: they replay the vision encoder outside embed_multimodal, which packs "
+            "each image's N rows; drop cudagraph_mm_encoder from --compilation-config"
+        )
+    multimodal = vllm_config.model_config.multimodal_config
+    if multimodal is not None and multimodal.mm_processor_cache_type == "shm":
+        out.append(
+            "shared-memory processor cache: it stores an image's item before the plug-in adds the "
+            "request's prompt length to it, which a re-prefill after preemption reads; pass "
+            "--mm-processor-cache-type lru"
+        )
+    if multimodal is not None and multimodal.video_pruning_rate:
+        out.append(
+            "video pruning: vLLM then appends position channels to image embeddings, which the "
+            "plug-in's packing does not expect; drop --video-pruning-rate"
+        )
     return out
 
 

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 from vllm.forward_context import get_forward_context
 
 KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer"})
+READABLE_BACKENDS = frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"})
+"""vLLM attention backends whose per-layer metadata carries ``query_start_loc`` and ``seq_lens`` as
+tensors of the step's requests (read in vLLM 0.32 / 0.33; ``CPU_ATTN`` is the one run by the tests).
+FlashInfer's metadata has no ``query_start_loc``; another backend is refused when the model loads."""
 _PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _ATTENTION_PARTS = ("qkv_proj", "rotary_emb", "attn", "o_proj", "q_size", "kv_size", "num_heads")
 
@@ -36,6 +40,7 @@ class LayerParts:
                 f"priortr's vLLM plug-in runs {', '.join(sorted(KNOWN_LAYERS))} (without q/k norms); this "
                 f"model's decoder layer is {name}{' lacking ' + ', '.join(missing) if missing else ''}"
             )
+        check_backend(attention.attn)
         self.layer = layer
         self.module = attention
         self.attention = attention.attn
@@ -117,9 +122,22 @@ class TextModel:
         return hidden
 
 
+def check_backend(attention: torch.nn.Module) -> None:
+    """Refuse, when the model loads, an attention backend whose metadata ``batch_layout`` cannot read."""
+    name = attention.get_attn_backend().get_name()
+    if name not in READABLE_BACKENDS:
+        raise ValueError(
+            f"priortr's vLLM plug-in reads each step's request layout (query_start_loc, seq_lens) from "
+            f"the attention metadata, which the {name} backend does not carry; pass --attention-backend "
+            f"with one of {', '.join(sorted(READABLE_BACKENDS))} (LLM(attention_backend=...))"
+        )
+
+
 def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:
     """Host copies of this step's request boundaries (query start locations, R + 1 of them) and each
-    request's tokens in the cache after the step (sequence lengths), from vLLM's attention metadata."""
+    request's tokens in the cache after the step (sequence lengths), from vLLM's attention metadata:
+    the one place the plug-in reads that metadata (``check_backend`` refused the backends without it
+    when the model loaded)."""
     metadata: Any = get_forward_context().attn_metadata
     entry = metadata.get(layer.attention.layer_name) if isinstance(metadata, dict) else None
     if entry is None or not hasattr(entry, "query_start_loc") or not hasattr(entry, "seq_lens"):

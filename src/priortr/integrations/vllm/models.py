@@ -1,7 +1,8 @@
 """LLaVA-1.5, Qwen2-VL and Qwen2.5-VL as vLLM serves them, pruning visual tokens after decoder layer L.
 
-Each class is vLLM's own model class with four hooks, inert unless the model config carries
-``priortr`` settings (then it behaves exactly as the stock class):
+Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
+gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
+the plug-in's code. The hooks:
 
 * ``embed_multimodal``: each image's N encoder rows travel as one row of N * D values, so vLLM's
   encoder cache holds the whole image whatever K the prompt laid out for it (the cache is keyed by the
@@ -37,7 +38,7 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import served_config
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, served_config
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -53,28 +54,47 @@ def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def recorded_length(mm_features: list) -> int | None:
+    """The prompt length the processor recorded with a pruned request's images (``processor.py``),
+    None for a request whose images carry none (it prunes nothing)."""
+    lengths = {
+        int(feature.data[PROMPT_LENGTH_KEY].data)
+        for feature in mm_features
+        if feature.modality == "image" and PROMPT_LENGTH_KEY in feature.data
+    }
+    if len(lengths) > 1:
+        raise RuntimeError(f"priortr: a request's images recorded different prompt lengths {sorted(lengths)}")
+    return lengths.pop() if lengths else None
+
+
 class PruningModel:
     """Mixin over a vLLM multimodal model class; see the module docstring."""
 
     linear_rope = False
     """True for a 1-D RoPE family served through vLLM's M-RoPE bookkeeping (LLaVA)."""
+    stock: type
+    """vLLM's own class, built instead for a model config without ``priortr`` settings."""
+
+    def __new__(cls, *args: Any, vllm_config: Any = None, prefix: str = "", **kwargs: Any) -> Any:
+        """vLLM's own class for a config without priortr settings; called without a config (copying,
+        unpickling), a bare instance as ``object.__new__`` makes it."""
+        if vllm_config is not None and served_config(vllm_config.model_config.hf_config) is None:
+            return cls.stock(vllm_config=vllm_config, prefix=prefix)
+        return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         hf_config = vllm_config.model_config.hf_config
         self.priortr = served_config(hf_config)
         self._step: StepInputs | None = None
-        if self.priortr is None:
-            return
         self._hf_config = hf_config
         self._adapter = adapter_for_type(hf_config.model_type)
         self._image_token = self._adapter.visual_token_ids(hf_config)["image"]
         self._text = TextModel(self, self.priortr.layer)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
+        kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions, not by the encoder
         embeddings = super().embed_multimodal(**kwargs)
-        if self.priortr is None:
-            return embeddings
         return [image.reshape(1, -1) for image in embeddings]  # [1, N * D] per image
 
     def embed_input_ids(
@@ -85,7 +105,7 @@ class PruningModel:
         is_multimodal: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._step = None
-        if self.priortr is None or not multimodal_embeddings:
+        if not multimodal_embeddings:
             return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
         width = self._hf_config.get_text_config().hidden_size
         items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, D] each
@@ -105,15 +125,13 @@ class PruningModel:
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: list
     ) -> tuple[torch.Tensor, int]:
-        if self.priortr is None:
-            return super().get_mrope_input_positions(input_tokens, mm_features)
         images = [self._slots(feature) for feature in mm_features if feature.modality == "image"]
         others = [feature for feature in mm_features if feature.modality != "image"]
 
         def full(prompt: list[int], starts: list[int]) -> tuple[torch.Tensor, int]:
             return self._full_positions(prompt, starts, mm_features, others)
 
-        return request_positions(input_tokens, images, self._image_token, full)
+        return request_positions(input_tokens, images, self._image_token, full, recorded_length(mm_features))
 
     def _stock_positions(self, prompt: list[int], features: list) -> tuple[torch.Tensor, int]:
         """The stock class's M-RoPE positions (Qwen)."""
@@ -205,6 +223,7 @@ class PruningLlava(PruningModel, LlavaForConditionalGeneration):
 
     supports_mrope = True
     linear_rope = True
+    stock = LlavaForConditionalGeneration
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -252,6 +271,10 @@ class QwenPositions:
 class PruningQwen2VL(QwenPositions, PruningModel, Qwen2VLForConditionalGeneration):
     """vLLM's Qwen2-VL with priortr (M-RoPE)."""
 
+    stock = Qwen2VLForConditionalGeneration
+
 
 class PruningQwen2_5_VL(QwenPositions, PruningModel, Qwen2_5_VLForConditionalGeneration):
     """vLLM's Qwen2.5-VL with priortr (M-RoPE)."""
+
+    stock = Qwen2_5_VLForConditionalGeneration

@@ -11,7 +11,9 @@ A placeholder's own position is never used: layers 0..L run on the full prompt, 
 take their original positions after layer L. Its three slots instead carry a *record* the forward pass
 reads: (length of the short prompt, image grid height, image grid width). The prompt length tells a
 re-prefill after preemption (prompt + generated tokens in one step) where the prompt ends, so that the
-scores use the prompt's rows only, as they did the first time.
+scores use the prompt's rows only, as they did the first time. It is the length the processor recorded
+with the request's images, never the number of tokens handed in: vLLM's V1 runner asks once, with the
+prompt, but Model Runner V2 asks again after a preemption, with the prompt and the generated tokens.
 """
 
 from __future__ import annotations
@@ -37,13 +39,24 @@ class ImageSlots:
 
 
 def request_positions(
-    prompt: list[int], images: Sequence[ImageSlots], token_id: int, full_positions: FullPositions
+    prompt: list[int],
+    images: Sequence[ImageSlots],
+    token_id: int,
+    full_positions: FullPositions,
+    prompt_length: int | None,
 ) -> tuple[torch.Tensor, int]:
-    """[3, P] positions and delta of a scheduled prompt of P tokens whose images keep ``images[i].kept``
-    of their tokens; ``full_positions`` is the family's rule for the prompt with every image whole."""
+    """[3, P] positions and delta of P scheduled tokens (a prompt, or after a preemption under Model
+    Runner V2 a prompt and its generated tokens) whose images keep ``images[i].kept`` of their tokens;
+    ``full_positions`` is the family's rule for the tokens with every image whole; ``prompt_length`` is
+    the prompt's own length as the processor recorded it (None for a request that prunes nothing)."""
     ordered = sorted(images, key=lambda image: image.offset)
     if all(image.kept == image.tokens for image in ordered):
         return full_positions(prompt, [image.offset for image in ordered])
+    if prompt_length is None or not ordered[-1].offset + ordered[-1].kept <= prompt_length <= len(prompt):
+        raise RuntimeError(
+            f"priortr: a pruned request of {len(prompt)} tokens came with the prompt length "
+            f"{prompt_length}; its images must carry the length the plug-in's processor recorded"
+        )
     full: list[int] = []
     starts: list[int] = []
     source: list[int] = []  # for each scheduled token, its index in the full prompt (-1: placeholder)
@@ -62,7 +75,7 @@ def request_positions(
     text = torch.tensor([i for i, s in enumerate(source) if s >= 0], dtype=torch.long)
     short[:, text] = positions[:, torch.tensor([s for s in source if s >= 0], dtype=torch.long)]
     for image in ordered:
-        record = torch.tensor([len(prompt), *image.grid], dtype=positions.dtype)
+        record = torch.tensor([prompt_length, *image.grid], dtype=positions.dtype)
         short[:, image.offset : image.offset + image.kept] = record[:, None]
     return short, int(positions.max()) + 1 - len(prompt)
 

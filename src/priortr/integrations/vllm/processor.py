@@ -15,12 +15,27 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from vllm.multimodal.inputs import PlaceholderRange
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
 from priortr.engine.plan import plan_on_host
-from priortr.integrations.vllm.settings import SETTINGS_KEY, engine_config, request_config
+from priortr.integrations.vllm.settings import (
+    SETTINGS_KEY,
+    check_request_kwargs,
+    engine_config,
+    request_config,
+    request_policy,
+)
+
+PROMPT_LENGTH_KEY = "priortr_prompt_length"
+"""The field of a pruned request's image items that holds the length of the request's scheduled
+prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
 
 
 def served_config(hf_config: Any) -> PruningConfig | None:
@@ -73,40 +88,92 @@ class PruningProcessor:
         """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
         its encoder cache and memory for unpruned requests, which a request may always ask for."""
         inputs = super().get_dummy_inputs(*args, **kwargs)
+        if served_config(self.info.get_hf_config()) is None:
+            return inputs
         off = {**inputs.hf_processor_mm_kwargs, SETTINGS_KEY: {"enabled": False}}
         return replace(inputs, hf_processor_mm_kwargs=off)
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
-        """vLLM's processing, then the request's images cut to the placeholders they keep."""
-        out = super().apply(inputs, timing_ctx)
+        """vLLM's processing, then the request's images cut to the placeholders they keep.
+
+        vLLM keys its encoder cache (and checks each entry's embedding count against the request's
+        placeholders) by an image's hash, while K depends on the request: the same image kept at two
+        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
+        So a pruned request is laid out first without vLLM's processor cache (which must see only what
+        reaches the engine), and then processed again with each image identified as (image, K, prompt
+        length): the image carries the prompt length (``with_prompt_length``)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
         if engine is None:
-            return out
-        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY))
+            return super().apply(inputs, timing_ctx)
+        policy = request_policy(getattr(hf_config, SETTINGS_KEY))
+        engine_defaults = self.info.ctx.model_config.multimodal_config.mm_processor_kwargs or {}
+        check_request_kwargs(inputs.hf_processor_mm_kwargs, engine_defaults, policy)
+        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
+        if config is None:
+            return super().apply(inputs, timing_ctx)
+        laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
+        images = list(laid_out["mm_placeholders"].get("image", []))
+        counts = image_counts(hf_config, config, laid_out)
+        if all(kept == span.length for kept, span in zip(counts, images, strict=True)):
+            return super().apply(inputs, timing_ctx)
+        length = len(laid_out["prompt_token_ids"]) - sum(
+            span.length - kept for span, kept in zip(images, counts, strict=True)
+        )
+        identities = [
+            f"{image_hash}:priortr-kept-{kept}-prompt-{length}"
+            for image_hash, kept in zip(laid_out["mm_hashes"]["image"], counts, strict=True)
+        ]
+        keyed = replace(inputs, mm_uuid_items={**(inputs.mm_uuid_items or {}), "image": identities})
+        out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
-        images = list(placeholders.get("image", []))
-        if config is None or not images:
-            return out
-        others = sorted(modality for modality, spans in placeholders.items() if spans and modality != "image")
-        if others:
-            raise ValueError(
-                f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
-                f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
-            )
-        if any(span.is_embed is not None for span in images):
-            raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
-        counts = kept_counts(hf_config, config, out["prompt_token_ids"])
-        by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
-        if len(counts) != len(images):
-            raise ValueError(
-                f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
-                "text between images"
-            )
-        counts_in_order = [0] * len(images)
-        for rank, i in enumerate(by_offset):
-            counts_in_order[i] = counts[rank]
-        if all(kept == span.length for kept, span in zip(counts_in_order, images, strict=True)):
-            return out
-        prompt, ranges = shrink_prompt(out["prompt_token_ids"], images, counts_in_order)
-        return {**out, "prompt_token_ids": prompt, "mm_placeholders": {**placeholders, "image": ranges}}
+        prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
+        items = [with_prompt_length(item, length) for item in out["mm_kwargs"]["image"]]
+        return {
+            **out,
+            "prompt_token_ids": prompt,
+            "mm_placeholders": {**placeholders, "image": ranges},
+            "mm_kwargs": type(out["mm_kwargs"])({**out["mm_kwargs"], "image": items}),
+        }
+
+
+def with_prompt_length(item: MultiModalKwargsItem | None, length: int) -> MultiModalKwargsItem | None:
+    """``item`` (an image of a pruned request) with the request's prompt length as one more field.
+
+    vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
+    asks the model for its positions again, so the prompt length cannot be read from the tokens.
+    It rides on the image instead, which every cache keys by the image's identity; that identity
+    holds the length too, so requests that share a cached item share its length. ``None`` (an item
+    vLLM's processor cache already sent to the engine, which has it with this field) stays None."""
+    if item is None:
+        return None
+    field = MultiModalFieldElem(data=torch.tensor(length), field=MultiModalBatchedField(keep_on_cpu=True))
+    return MultiModalKwargsItem({**item, PROMPT_LENGTH_KEY: field})
+
+
+def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[int]:
+    """Tokens each image of a processed request (``laid_out``: N placeholders per image) keeps under
+    ``config``, in vLLM's order of its images; refuses what the plug-in cannot prune."""
+    placeholders = laid_out["mm_placeholders"]
+    images = list(placeholders.get("image", []))
+    if not images:
+        return []
+    others = sorted(modality for modality, spans in placeholders.items() if spans and modality != "image")
+    if others:
+        raise ValueError(
+            f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
+            f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
+    if any(span.is_embed is not None for span in images):
+        raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
+    counts = kept_counts(hf_config, config, laid_out["prompt_token_ids"])
+    if len(counts) != len(images):
+        raise ValueError(
+            f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
+            "text between images"
+        )
+    by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
+    in_order = [0] * len(images)
+    for rank, i in enumerate(by_offset):
+        in_order[i] = counts[rank]
+    return in_order

