@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine gets from `pip install 'priortr[vllm]'`, proven here without installing it:
-# 1. pip resolves priortr's wheel with the vllm extra from PyPI alone (no local indexes, constraints
-#    or config: --isolated) for x86-64 Linux, glibc up to 2.35, Python 3.12, and its report must hold
+# 1. pip resolves priortr's wheel with the vllm extra from PyPI alone (pip's default index: no config
+#    file, so no local index, find-links or constraints of this machine) for x86-64 Linux, glibc up to 2.35, Python 3.12, and its report must hold
 #    vLLM's CUDA build (the `vllm` distribution) in the plug-in's supported range and a torch that is
 #    not a +cpu build;
 # 2. the newest vLLM wheel in that range is downloaded (no dependencies, never installed) and
@@ -9,15 +9,17 @@
 # About 2-3 minutes, most of it pip reading PyPI's metadata.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_CONFIG_FILE=/dev/null  # pip loads no configuration file at all
+unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL PIP_CONSTRAINT
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 platforms=(--platform linux_x86_64 --platform manylinux2014_x86_64)
 for minor in $(seq 5 35); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-target=(--isolated --index-url https://pypi.org/simple --only-binary=:all: --python-version 3.12 "${platforms[@]}")
+target=(--only-binary=:all: --python-version 3.12 "${platforms[@]}")
 
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install --isolated --index-url https://pypi.org/simple --quiet --upgrade pip packaging
-"$work/venv/bin/pip" wheel --isolated --index-url https://pypi.org/simple --quiet --no-deps . -w "$work/dist"
+"$work/venv/bin/pip" install --quiet --upgrade pip packaging
+"$work/venv/bin/pip" wheel --quiet --no-deps . -w "$work/dist"
 wheel=$(ls "$work"/dist/priortr-*.whl)
 range=$(python3 -c "import tomllib; print(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['vllm'][0])")
 echo "priortr[vllm] asks for $range"
