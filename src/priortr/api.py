@@ -101,8 +101,9 @@ class PruningHandle:
 
     def observe_stages(self, observer: StageObserver) -> AbstractContextManager[None]:
         """Within this block, ``observer("start", layer)`` and ``observer("end", layer)`` are called
-        around all of the work of each stage (evidence, decision, cut, cache compaction) of the prefills
-        that start, ``layer`` being the stage's scored layer (-1: before the language model). They run on
+        around all of the work of each stage (evidence, decision, cut, cache compaction, and the kept
+        tokens' RoPE and mask for the next layer) of the prefills that start, ``layer`` being the stage's
+        scored layer (-1: before the language model). They run on
         the host in the thread that runs the model, between decoder layers ``layer`` and ``layer + 1``
         whatever other hooks the model carries: ``priortr bench`` records its timing marks there. ::
 

@@ -26,9 +26,10 @@ from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
 
 StageObserver = Callable[[str, int], None]
-"""Called as ``observer("start", layer)`` before and ``observer("end", layer)`` after all of the work of the
-stage scored at ``layer`` (evidence, decision, cut, cache compaction, record), on the host, in the thread
-running the model: timing marks (``priortr bench``) or profiling ranges."""
+"""Called as ``observer("start", layer)`` before and ``observer("end", layer)`` after all of the engine's
+work between decoder layers ``layer`` and ``layer + 1`` for the stage scored at ``layer``: evidence,
+decision, cut, cache compaction, the record, and the kept tokens' RoPE and mask for the next layer. On the
+host, in the thread running the model: timing marks (``priortr bench``) or profiling ranges."""
 
 
 class Prefill:
@@ -81,12 +82,20 @@ class Prefill:
         the next stage scores it."""
         if self.next_stage == BEFORE_LLM:
             self.cache = call.cache
-        if self.next_stage is not None and self.next_stage + 1 == index:
+        stage = self.next_stage if self.next_stage is not None and self.next_stage + 1 == index else None
+        if stage is not None:
+            self._observe("start", stage)
             call.hidden = self.run_next_stage(call.hidden, layer, call.rope)
         if self.state.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
+        if stage is not None:
+            self._observe("end", stage)
         if self.next_stage == index:
             self._capture(index, layer, call)
+
+    def _observe(self, event: str, stage: int) -> None:
+        for observe in self.observers:
+            observe(event, stage)
 
     def keep_queries(self, output: torch.Tensor) -> None:
         """The scored layer's query projection output [B, S', H * d], as it ran."""
@@ -104,11 +113,8 @@ class Prefill:
         self, hidden: torch.Tensor, next_layer: torch.nn.Module, rope: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
         """The next stage, before ``next_layer`` runs on ``hidden`` [B, S', D] with the prompt's RoPE
-        ``rope`` (not yet gathered): the stage core, then the record; ``observers`` see its start and end."""
-        layer = self.pending[0]
-        for observe in self.observers:
-            observe("start", layer)
-        self.pending.pop(0)
+        ``rope`` (not yet gathered): the stage core, then the record."""
+        layer = self.pending.pop(0)
         project = self.vision[0].projector if self.vision is not None else None
         sources = self._sources(layer, hidden, next_layer, rope)
         outcome = run_stage(layer, sources, hidden, self.cache, project)
@@ -120,8 +126,6 @@ class Prefill:
             self.state = outcome.state
         if not self.pending:
             self.finish()
-        for observe in self.observers:
-            observe("end", layer)
         return outcome.hidden
 
     def finish(self) -> None:

@@ -138,8 +138,9 @@ def timing_hooks(model: nn.Module, clock_ref: list[Clock]) -> Iterator[None]:
 
 def stage_marks(handle: priortr.PruningHandle, clock_ref: list[Clock]) -> AbstractContextManager[None]:
     """Marks ``stage_start_L`` / ``stage_end_L`` around all of the work of the stage scored at layer L
-    (evidence, decision, cut, cache compaction), placed by the engine itself (``observe_stages``), so
-    they bracket the stage whatever order the model's hooks were registered in."""
+    (evidence, decision, cut, cache compaction, the next layer's RoPE and mask), placed by the engine
+    itself (``observe_stages``), so they bracket the stage whatever order the model's hooks were
+    registered in."""
     return handle.observe_stages(lambda event, layer: clock_ref[0].mark(f"stage_{event}_{layer}"))
 
 
@@ -567,9 +568,10 @@ COLUMNS = (
     "columns: LM prefill ms = the language model's forward in one prefill (embedding lookup to final norm:",
     "  every decoder layer and, for pruned rows, every stage); ViT+proj ms = vision tower to projector;",
     "  stage ms = all of the pruning stages' own work inside the LM prefill (evidence, decision, cut, cache",
-    "  compaction), marked by the engine around each stage, summed over stages (- : no stage); KV MiB =",
-    "  the cache a prefill leaves; samples/s, tokens/s = end-to-end greedy generate(); speed-up = vanilla's",
-    "  LM prefill median / this one's; roofline limit = the same ratio predicted from FLOPs and bytes.",
+    "  compaction, the kept tokens' RoPE and mask), marked by the engine around each stage, summed over",
+    "  stages (- : no stage); KV MiB = the cache a prefill leaves; samples/s, tokens/s = end-to-end greedy",
+    "  generate(); speed-up = vanilla's LM prefill median / this one's; roofline limit = the same ratio",
+    "  predicted from FLOPs and bytes.",
     "  (!) = within noise: a speed-up whose medians differ by less than the timings' spread, or a stage",
     "  cost whose interquartile range is wider than its median.",
 )
