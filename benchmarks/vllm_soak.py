@@ -20,18 +20,23 @@ first tokens (an abort). Then:
 
 * every distinct completed request is sent again alone (sequentially): each answer of the load must
   be the text of that request alone (streamed answers are joined from their deltas);
-* the RSS of the server and of its engine process (psutil), after a warm-up and at the end;
+* the RSS of the server and of its engine processes (psutil), after a warm-up and at the end, and
+  their total every ``--rss-every`` seconds of the load (the trajectory: caches filling level off,
+  a leak keeps rising);
 * vLLM's KV-cache usage from ``/metrics`` once the server is idle, after the load and at the end:
   it must be 0 (aborted requests freed their blocks);
 * the server log's ERROR and Traceback lines, and the engine's finished requests by reason
-  (``vllm:request_success_total``: length, abort, error);
+  (``vllm:request_success_total``: length, abort, error); the requests sent that the engine did not
+  finish are those a closed connection aborted (vLLM 0.32 counts none of them under "abort");
 * a control that the comparison can fail: some pruned request's answer alone must differ from the
   same images and question with pruning off.
 
 Writes ``soak.json`` and ``soak.md`` into ``--out``; exits 1 if a request failed, an answer differs,
 the KV cache is not empty when idle, the log has an error, the engine finished a request by an
-error, the control finds no answer changed by pruning, or RSS grew by more than
-``--max-rss-growth`` (a fraction of the start).
+error, the control finds no answer changed by pruning, or the RSS grew by more than
+``--max-rss-growth`` (a fraction) over the load's second half: the first seconds of load fill
+vLLM's and the allocator's caches (about +3% of RSS in the 2-minute trial), so start to end is
+reported, not checked.
 """
 
 from __future__ import annotations
@@ -237,6 +242,12 @@ def changed_by_pruning(alone: dict[Request, Outcome]) -> list[Request]:
     ]
 
 
+def sample_rss(samples: list, stop: threading.Event, began: float, every: float) -> None:
+    """Append (seconds into the load, total RSS in MiB) every ``every`` seconds until ``stop``."""
+    while not stop.wait(every):
+        samples.append((round(time.perf_counter() - began), server_rss()["total"]))
+
+
 def log_errors(log: Path) -> list[str]:
     return [
         line for line in log.read_text(errors="replace").splitlines() if re.search(r"ERROR|Traceback", line)
@@ -251,8 +262,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=12, help="max_tokens of every request")
     parser.add_argument("--abort-share", type=float, default=0.1, help="share of requests aborted")
     parser.add_argument(
-        "--max-rss-growth", type=float, default=0.1, help="allowed RSS growth, fraction of the start"
+        "--max-rss-growth",
+        type=float,
+        default=0.03,
+        help="allowed RSS growth over the load's second half, a fraction (the first half fills caches)",
     )
+    parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm-soak"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -270,8 +285,13 @@ def main() -> None:
             rss_start = server_rss()
             print(f"warm: RSS {rss_start}; load of {args.minutes} min by {args.clients} clients", flush=True)
             load_began = time.perf_counter()
+            samples, stop = [], threading.Event()
+            sampler = threading.Thread(target=sample_rss, args=(samples, stop, load_began, args.rss_every))
+            sampler.start()
             outcomes = load(url, model, args)
             load_seconds = time.perf_counter() - load_began
+            stop.set()
+            sampler.join()
             kv_after_load = idle_kv_usage(url)
             rss_after_load = server_rss()
             print(f"load done: {len(outcomes)} requests; KV usage idle {kv_after_load}", flush=True)
@@ -296,6 +316,8 @@ def main() -> None:
     ]
     changed = len(changed_by_pruning(alone))
     growth = rss_end["total"] / rss_start["total"] - 1
+    halfway = next((mib for at, mib in samples if at >= load_seconds / 2), rss_start["total"])
+    steady_growth = rss_after_load["total"] / halfway - 1
     checks = {
         "no request failed": not failed,
         "every completed answer equals the request alone": not mismatches,
@@ -303,7 +325,8 @@ def main() -> None:
         "no ERROR or Traceback in the server log": not errors,
         "no request finished by an engine error": finished["error"] == 0,
         "pruning changes answers (the comparison can fail)": changed > 0,
-        f"RSS grew by at most {args.max_rss_growth:.0%}": growth <= args.max_rss_growth,
+        f"RSS grew by at most {args.max_rss_growth:.0%} over the load's second half": steady_growth
+        <= args.max_rss_growth,
     }
     status = Counter(o.status for o in outcomes)
     report = {
@@ -326,10 +349,14 @@ def main() -> None:
         "distinct_requests_replayed": len(alone),
         "replayed_image_requests_differing_from_pruning_off": changed,
         "engine_finished_requests": finished,
+        # Each request sent (warm-up, load, replays) that the engine did not finish: ended by an abort.
+        "engine_unfinished_requests": 2 * len(warm_up) + len(outcomes) + len(alone) - sum(finished.values()),
         "mismatches": mismatches,
         "failures": [{"request": asdict(o.request), "stream": o.stream, "error": o.error} for o in failed],
         "rss_mib": {"start (after warm-up)": rss_start, "after load": rss_after_load, "end": rss_end},
         "rss_growth": round(growth, 4),
+        "rss_growth_second_half_of_load": round(steady_growth, 4),
+        "rss_total_mib_during_load": samples,
         "kv_cache_usage_idle": {"after load": kv_after_load, "end": kv_end},
         "log_errors": errors,
         "checks": checks,
@@ -357,12 +384,16 @@ def markdown(report: dict) -> str:
         "",
         f"RSS (MiB, server + engine): {rss['start (after warm-up)']['total']} after warm-up, "
         f"{rss['after load']['total']} after the load, {rss['end']['total']} at the end "
-        f"({report['rss_growth']:+.1%}); KV-cache usage when idle: "
+        f"({report['rss_growth']:+.1%}; over the load's second half "
+        f"{report['rss_growth_second_half_of_load']:+.1%}); "
+        f"during the load (s, MiB): {report['rss_total_mib_during_load']}; "
+        f"KV-cache usage when idle: "
         f"{report['kv_cache_usage_idle']['after load']} after the load, "
         f"{report['kv_cache_usage_idle']['end']} at the end; "
         f"answers differing from the request alone: {len(report['mismatches'])}; "
         f"ERROR / Traceback lines in the server log: {len(report['log_errors'])}; "
-        f"finished in the engine (vllm:request_success_total): {report['engine_finished_requests']}; "
+        f"finished in the engine (vllm:request_success_total): {report['engine_finished_requests']}, "
+        f"not finished (aborted): {report['engine_unfinished_requests']}; "
         f"pruned requests whose answer differs from pruning off: "
         f"{report['replayed_image_requests_differing_from_pruning_off']}",
         "",
