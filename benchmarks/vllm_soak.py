@@ -243,9 +243,9 @@ def changed_by_pruning(alone: dict[Request, Outcome]) -> list[Request]:
 
 
 def sample_rss(samples: list, stop: threading.Event, began: float, every: float) -> None:
-    """Append (seconds into the load, total RSS in MiB) every ``every`` seconds until ``stop``."""
+    """Append (seconds into the load, ``server_rss()``) every ``every`` seconds until ``stop``."""
     while not stop.wait(every):
-        samples.append((round(time.perf_counter() - began), server_rss()["total"]))
+        samples.append((round(time.perf_counter() - began, 1), server_rss()))
 
 
 def log_errors(log: Path) -> list[str]:
@@ -316,8 +316,8 @@ def main() -> None:
     ]
     changed = len(changed_by_pruning(alone))
     growth = rss_end["total"] / rss_start["total"] - 1
-    halfway = next((mib for at, mib in samples if at >= load_seconds / 2), rss_start["total"])
-    steady_growth = rss_after_load["total"] / halfway - 1
+    halfway = min(samples, key=lambda sample: abs(sample[0] - load_seconds / 2), default=(0, rss_start))
+    steady_growth = rss_after_load["total"] / halfway[1]["total"] - 1
     checks = {
         "no request failed": not failed,
         "every completed answer equals the request alone": not mismatches,
@@ -356,7 +356,7 @@ def main() -> None:
         "rss_mib": {"start (after warm-up)": rss_start, "after load": rss_after_load, "end": rss_end},
         "rss_growth": round(growth, 4),
         "rss_growth_second_half_of_load": round(steady_growth, 4),
-        "rss_total_mib_during_load": samples,
+        "rss_mib_during_load": [{"seconds": at, **rss} for at, rss in samples],
         "kv_cache_usage_idle": {"after load": kv_after_load, "end": kv_end},
         "log_errors": errors,
         "checks": checks,
@@ -386,7 +386,9 @@ def markdown(report: dict) -> str:
         f"{rss['after load']['total']} after the load, {rss['end']['total']} at the end "
         f"({report['rss_growth']:+.1%}; over the load's second half "
         f"{report['rss_growth_second_half_of_load']:+.1%}); "
-        f"during the load (s, MiB): {report['rss_total_mib_during_load']}; "
+        "during the load (s: MiB): "
+        + ", ".join(f"{r['seconds']:.0f}: {r['total']}" for r in report["rss_mib_during_load"])
+        + "; "
         f"KV-cache usage when idle: "
         f"{report['kv_cache_usage_idle']['after load']} after the load, "
         f"{report['kv_cache_usage_idle']['end']} at the end; "
