@@ -116,6 +116,8 @@ class Outcome:
 
 
 def body(model: str, request: Request, tokens: int, stream: bool) -> dict:
+    """The chat-completion JSON of ``request``: its images as PNG data URLs, then the question; its
+    budget in ``mm_processor_kwargs`` unless it takes the engine's (or has no image to prune)."""
     content: list[dict] = [
         {"type": "image_url", "image_url": {"url": data_url(PICTURES[i])}} for i in request.images
     ]
