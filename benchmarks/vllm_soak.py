@@ -307,7 +307,8 @@ def main() -> None:
                 reason: metric(url, "vllm:request_success_total", f'finished_reason="{reason}"')
                 for reason in ("length", "abort", "error")
             }
-    errors = log_errors(args.out / "serve.log")
+            errors = log_errors(args.out / "serve.log")  # before the server stops: vLLM's own teardown
+            # (SIGTERM, abort with timeout 0) logs an EngineDeadError of its output handler
     mismatches = [
         {"request": asdict(o.request), "stream": o.stream, "load": o.text, "alone": alone[o.request].text}
         for o in completed
