@@ -48,12 +48,14 @@ def test_exact_settings_start(llava_dir):
         {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
         {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
         {"compilation_config": {"cudagraph_mode": "FULL"}},  # enforce_eager: no graph is captured
+        {"tensor_parallel_size": 2},
+        {"data_parallel_size": 2},
     ],
-    ids=["compiled", "full-and-piecewise", "full-decode-only", "piecewise", "eager-full"],
+    ids=["compiled", "full-and-piecewise", "full-decode-only", "piecewise", "eager-full", "tp", "dp"],
 )
-def test_compiled_settings_start(llava_dir, setting):
+def test_compiled_and_parallel_settings_start(llava_dir, setting):
     """vLLM's compiled model with the CUDA-graph modes that leave a pruned step to the model's Python
-    forward: served (test_compiled.py runs the CPU build's)."""
+    forward, tensor and data parallelism: served (test_compiled.py and test_parallel.py run them)."""
     config_of(llava_dir, **setting)
 
 
@@ -77,13 +79,14 @@ def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
             {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
             "FULL_AND_PIECEWISE .vLLM's default., FULL_DECODE_ONLY, PIECEWISE or NONE",
         ),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 1"),
     ],
-    ids=["stock-compile", "full-graphs"],
+    ids=["stock-compile", "full-graphs", "pp"],
 )
-def test_graphs_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
+def test_graphs_and_pipeline_parallelism_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
     """Stock torch.compile of the whole model and FULL graphs for batches with prefills would run a
-    pruned step without the plug-in's forward. The same settings without priortr start (a control of
-    the refusal)."""
+    pruned step without the plug-in's forward; a later pipeline stage would not learn the kept
+    layout. The same settings without priortr start (a control of the refusal)."""
     with pytest.raises(ValueError, match=flag):
         config_of(llava_dir, **setting)
     config_of(llava_dir, **{**setting, "hf_overrides": {}})
@@ -114,7 +117,6 @@ def test_breakable_cuda_graphs_are_refused(llava_dir, monkeypatch):
         ),
         ({"enable_lora": True}, "--enable-lora"),
         ({"compilation_config": {"cudagraph_mm_encoder": True}}, "cudagraph_mm_encoder"),
-        ({"data_parallel_size": 2}, "--data-parallel-size 1"),
         ({"mm_processor_cache_type": "shm"}, "--mm-processor-cache-type lru"),
     ],
     ids=[
@@ -124,7 +126,6 @@ def test_breakable_cuda_graphs_are_refused(llava_dir, monkeypatch):
         "ec-connector",
         "lora",
         "encoder-graphs",
-        "dp",
         "shm-cache",
     ],
 )

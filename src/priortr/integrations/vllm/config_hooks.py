@@ -39,19 +39,15 @@ def refusals(vllm_config: Any) -> list[str]:
             "tokens; pass --no-enable-prefix-caching (LLM(enable_prefix_caching=False))"
         )
     out += compiled_refusals(vllm_config)
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append(
-            "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with one server per replica)"
+            "pipeline parallelism: the scores and the cut are made on the stage holding layer L, and a "
+            "later stage would get the placeholders' records as positions, not the kept tokens' (vLLM "
+            "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
+            "is served)"
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
-    if parallel.data_parallel_size > 1:
-        out.append(
-            "data parallelism: vLLM pads and synchronises the replicas' steps, which the plug-in's pruned "
-            "steps were never run under; pass --data-parallel-size 1 and run one server per replica"
-        )
     if vllm_config.kv_transfer_config is not None or vllm_config.cache_config.kv_offloading_size:
         out.append(
             "KV connectors / KV offloading: an external cache hit hands a prompt over in pieces and "
