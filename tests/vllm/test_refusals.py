@@ -41,16 +41,65 @@ def test_exact_settings_start(llava_dir):
 
 
 @pytest.mark.parametrize(
+    "setting",
+    [
+        {"enforce_eager": False},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+        {"compilation_config": {"cudagraph_mode": "FULL"}},  # enforce_eager: no graph is captured
+        {"tensor_parallel_size": 2},
+        {"data_parallel_size": 2},
+    ],
+    ids=["compiled", "full-and-piecewise", "full-decode-only", "piecewise", "eager-full", "tp", "dp"],
+)
+def test_compiled_and_parallel_settings_start(llava_dir, setting):
+    """vLLM's compiled model with the CUDA-graph modes that leave a pruned step to the model's Python
+    forward, tensor and data parallelism: served (test_compiled.py and test_parallel.py run them)."""
+    config_of(llava_dir, **setting)
+
+
+@pytest.mark.parametrize(
     ("setting", "flag"),
     [
         ({"enable_chunked_prefill": True}, "--no-enable-chunked-prefill"),
         ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
-        ({"enforce_eager": False}, "--enforce-eager"),
     ],
 )
 def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(llava_dir, **setting)
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [
+        ({"enforce_eager": False, "compilation_config": {"mode": 1}}, "compilation mode at vLLM's default"),
+        (
+            {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
+            "FULL_AND_PIECEWISE .vLLM's default., FULL_DECODE_ONLY, PIECEWISE or NONE",
+        ),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 1"),
+    ],
+    ids=["stock-compile", "full-graphs", "pp"],
+)
+def test_graphs_and_pipeline_parallelism_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
+    """Stock torch.compile of the whole model and FULL graphs for batches with prefills would run a
+    pruned step without the plug-in's forward; a later pipeline stage would not learn the kept
+    layout. The same settings without priortr start (a control of the refusal)."""
+    with pytest.raises(ValueError, match=flag):
+        config_of(llava_dir, **setting)
+    config_of(llava_dir, **{**setting, "hf_overrides": {}})
+
+
+def test_breakable_cuda_graphs_are_refused(llava_dir, monkeypatch):
+    """vLLM's breakable CUDA graphs wrap the whole model, the plug-in's forward included; refused
+    unless no piecewise graph is captured."""
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(ValueError, match="unset VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        config_of(llava_dir, enforce_eager=False)
+    config_of(llava_dir, enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    config_of(llava_dir)  # enforce_eager
 
 
 @pytest.mark.parametrize(
@@ -68,7 +117,6 @@ def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
         ),
         ({"enable_lora": True}, "--enable-lora"),
         ({"compilation_config": {"cudagraph_mm_encoder": True}}, "cudagraph_mm_encoder"),
-        ({"data_parallel_size": 2}, "--data-parallel-size 1"),
         ({"mm_processor_cache_type": "shm"}, "--mm-processor-cache-type lru"),
     ],
     ids=[
@@ -78,7 +126,6 @@ def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
         "ec-connector",
         "lora",
         "encoder-graphs",
-        "dp",
         "shm-cache",
     ],
 )

@@ -3,12 +3,19 @@
 vLLM calls a model architecture's config hook (``MODELS_CONFIG_MAP``) while it builds its config;
 these hooks act only when the model config carries ``priortr`` settings. Each refusal names the
 setting to change: a garbled answer is never an option.
+
+Compiled models and CUDA graphs are served where every step with a pruned prompt still calls the
+model's Python ``forward`` (docs/serving.md, Compiled models and CUDA graphs): vLLM compiles the
+language model (its ``@support_torch_compile`` module), which decode and unpruned steps run, while a
+pruned step runs the layers one by one. What would replay or compile ``forward`` itself is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm import envs
+from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.integrations.vllm.processor import served_config
@@ -31,24 +38,16 @@ def refusals(vllm_config: Any) -> list[str]:
             "prefix caching: a cached prefix would skip layers 0..L and hold another request's kept "
             "tokens; pass --no-enable-prefix-caching (LLM(enable_prefix_caching=False))"
         )
-    if not vllm_config.model_config.enforce_eager:
+    out += compiled_refusals(vllm_config)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append(
-            "torch.compile / CUDA graphs: a pruned step plans on the host between layers; pass "
-            "--enforce-eager (LLM(enforce_eager=True))"
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        out.append(
-            "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with one server per replica)"
+            "pipeline parallelism: the scores and the cut are made on the stage holding layer L, and a "
+            "later stage would get the placeholders' records as positions, not the kept tokens' (vLLM "
+            "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
+            "is served)"
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
-    if parallel.data_parallel_size > 1:
-        out.append(
-            "data parallelism: vLLM pads and synchronises the replicas' steps, which the plug-in's pruned "
-            "steps were never run under; pass --data-parallel-size 1 and run one server per replica"
-        )
     if vllm_config.kv_transfer_config is not None or vllm_config.cache_config.kv_offloading_size:
         out.append(
             "KV connectors / KV offloading: an external cache hit hands a prompt over in pieces and "
@@ -80,6 +79,37 @@ def refusals(vllm_config: Any) -> list[str]:
         out.append(
             "video pruning: vLLM then appends position channels to image embeddings, which the "
             "plug-in's packing does not expect; drop --video-pruning-rate"
+        )
+    return out
+
+
+def compiled_refusals(vllm_config: Any) -> list[str]:
+    """The compilation and CUDA-graph settings that would run a step with a pruned prompt without the
+    model's Python ``forward``: stock torch.compile of the whole model (``forward`` plans on the host),
+    FULL CUDA graphs for batches with prefills (a replay of a captured stock step), and vLLM's
+    breakable CUDA graphs (they wrap the whole model for piecewise replay)."""
+    if vllm_config.model_config.enforce_eager:
+        return []
+    compilation = vllm_config.compilation_config
+    out = []
+    if compilation.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        out.append(
+            "stock torch.compile of the whole model (compilation mode 1): the plug-in's forward plans a "
+            "pruned step on the host; leave the compilation mode at vLLM's default (-O3) or pass "
+            "--enforce-eager"
+        )
+    graphs = compilation.cudagraph_mode
+    if graphs is not None and graphs.mixed_mode() == CUDAGraphMode.FULL:
+        out.append(
+            f"cudagraph_mode {graphs.name}: a batch with a prefill would replay a captured stock step and "
+            "skip the pruned prefill; pass FULL_AND_PIECEWISE (vLLM's default), FULL_DECODE_ONLY, "
+            "PIECEWISE or NONE in --compilation-config"
+        )
+    no_piecewise = graphs in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
+    if envs.VLLM_USE_BREAKABLE_CUDAGRAPH and not no_piecewise:
+        out.append(
+            "breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1): they capture the whole model's "
+            "forward and would replay a stock step for a pruned prefill; unset VLLM_USE_BREAKABLE_CUDAGRAPH"
         )
     return out
 

@@ -1,6 +1,6 @@
 """The one module that knows vLLM's decoder layers: the language model split at the scored layer, a
-layer taken apart into the steps a pruned prefill runs separately, and the batch facts read from
-vLLM's attention metadata.
+layer taken apart into the steps a pruned prefill runs separately, the batch facts read from vLLM's
+attention metadata, and the one collective a pruned prefill adds under tensor parallelism.
 
 vLLM's Llama and Qwen2 decoder layers (LLaVA-1.5's and Qwen2/2.5-VL's language models) are
 ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp``
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context
 
 KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer"})
@@ -93,6 +94,16 @@ class LayerParts:
     def heads_view(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """[T, heads*d] -> [1, heads, T, d]."""
         return x.view(x.shape[0], heads, self.head_dim).transpose(0, 1)[None]
+
+    @staticmethod
+    def every_head(rows: torch.Tensor) -> torch.Tensor:
+        """This rank's attention rows [1, h, R, S] joined with every other tensor-parallel rank's, in
+        head order: [1, H, R, S]. Under tensor parallelism each rank computes h = H / tp of the layer's
+        heads (vLLM splits the q/k/v projections by head, rank r holding heads r*h .. r*h+h-1), while
+        the method aggregates over all H (mean, or max: ``PruningConfig.heads``, which a sum reduced
+        across ranks could not give), so every rank gathers the whole tensor and makes the same choice;
+        with one rank it is ``rows`` itself."""
+        return tensor_model_parallel_all_gather(rows.contiguous(), dim=1)
 
 
 class TextModel:

@@ -220,9 +220,10 @@ def _survivors(
     if plan is None or plan.stages != (config.layer,) or config.layer != n_scored - 1:
         raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
     queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, H, R, d]
-    attention = attention_rows(
+    local = attention_rows(
         queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.text_rows, plan.valid), parts.scaling
-    )  # [1, H, R, S]
+    )  # [1, h, R, S]: this rank's heads
+    attention = parts.every_head(local)  # [1, H, R, S]
     state = StageState.of_prompt(plan)
     sources = Sources(plan, state, config, hidden=output[None], attention=attention)
     outcome = run_stage(config.layer, sources, output[None])
