@@ -90,6 +90,17 @@ def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
     config_of(qwen2_5_dir, **setting, hf_overrides={})
 
 
+def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
+    """Qwen3-VL adds DeepStack features to the outputs of decoder layers 0 and 1: scoring layer 0 would
+    cut before the last injection, refused when the engine starts as priortr.apply refuses it; layer 1
+    (the last injected layer) starts."""
+    with pytest.raises(
+        ValueError, match=r"0\.\.1 \(DeepStack\), so fastv cannot prune after layer 0; score layer 1"
+    ):
+        config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 0}})
+    config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 1}})
+
+
 def test_model_runner_v2_starts(llava_dir, monkeypatch):
     """vLLM's CPU build cannot configure Model Runner V2 (it needs a Triton with a CPU backend), so V2
     is stood in by the config's own flag: an engine that would run it is accepted

@@ -11,6 +11,8 @@ from typing import Any
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from priortr.adapters.qwen3_vl import deepstack_layers
+from priortr.engine.config import check_injection
 from priortr.integrations.vllm.processor import served_config
 
 LINEAR_ROPE_CHANNELS = [1, 1, 1]
@@ -108,3 +110,17 @@ class PruningConfigHook(VerifyAndUpdateConfig):
 
 class LinearRopeConfigHook(PruningConfigHook):
     linear_rope = True
+
+
+class DeepStackConfigHook(PruningConfigHook):
+    """Qwen3-VL: also refuse a scored layer before the last DeepStack injection, as ``priortr.apply``
+    does (the features of decoder layers 0..J-1 are added to every visual token before the cut)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        PruningConfigHook.verify_and_update_config(vllm_config)
+        hf_config = vllm_config.model_config.hf_config
+        config = served_config(hf_config)
+        if config is not None:
+            n_layers = hf_config.get_text_config().num_hidden_layers
+            check_injection(config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
