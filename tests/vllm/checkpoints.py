@@ -39,7 +39,7 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
-from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl
+from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 QWEN_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}  # sums to 32 / 2
@@ -113,6 +113,20 @@ def qwen3_vl(path: str | Path) -> Path:
         seed=4,
         patch=16,
         vision=("deepstack_merger_list",),
+        text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
+        video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
+    )
+
+
+def qwen3_vl_moe(path: str | Path) -> Path:
+    """Qwen3-VL MoE, laid out as ``qwen3_vl``: a family the plug-in does not serve."""
+    return _qwen(
+        Path(path),
+        tiny_qwen3_vl_moe,
+        "out_hidden_size",
+        Qwen3VLProcessor,
+        seed=5,
+        patch=16,
         text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
         video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
     )

@@ -11,6 +11,7 @@ from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
     LinearRopeConfigHook,
     PruningConfigHook,
+    unserved_hook,
 )
 from priortr.integrations.vllm.models import PruningLlava, PruningQwen2_5_VL, PruningQwen2VL, PruningQwen3VL
 from priortr.integrations.vllm.processor import PruningProcessor
@@ -45,6 +46,20 @@ FAMILIES = (
     ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
     ("Qwen3VLForConditionalGeneration", PruningQwen3VL, DeepStackConfigHook),
 )
+UNSERVED = (
+    "Qwen3VLMoeForConditionalGeneration",
+    "InternVLForConditionalGeneration",
+    "InternVLChatModel",
+    "Gemma3ForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
+)
+"""vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve: a config with
+``priortr`` settings is refused at engine start instead of being served unpruned (docs/serving.md)."""
 
 
 def register_all() -> None:
@@ -68,3 +83,5 @@ def register_all() -> None:
     for architecture, model, hook in FAMILIES:
         ModelRegistry.register_model(architecture, model)
         MODELS_CONFIG_MAP[architecture] = hook
+    for architecture in UNSERVED:
+        MODELS_CONFIG_MAP[architecture] = unserved_hook(MODELS_CONFIG_MAP.get(architecture))
