@@ -33,6 +33,13 @@ SERVED = [
         "Qwen2_5_VLProcessingInfo",
         "Qwen2_5_VL",
     ),
+    (
+        "qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMultiModalProcessor",
+        "Qwen3VLProcessingInfo",
+        "Qwen3VL",
+    ),
 ]
 
 
@@ -123,6 +130,13 @@ NAMES = [
     Name("vllm.config.compilation", "CompilationConfig.cudagraph_mm_encoder"),
     Name("vllm.config.multimodal", "MultiModalConfig.video_pruning_rate"),
     Name("vllm.config.multimodal", "MultiModalConfig.mm_processor_cache_type"),
+    Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
+    Name(
+        f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._get_deepstack_input_embeds", ("num_tokens",)
+    ),
+    Name(
+        f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._clear_deepstack_input_embeds", ("num_tokens",)
+    ),
     *_served(),
 ]
 

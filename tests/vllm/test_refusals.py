@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.plugins import load_general_plugins
 
-from priortr.integrations.vllm.config_hooks import PruningConfigHook, refusals
+from priortr.integrations.vllm.config_hooks import (
+    PruningConfigHook,
+    UnservedFamilyHook,
+    refusals,
+    unserved_hook,
+)
 from priortr.integrations.vllm.decoder import check_backend
 from priortr.integrations.vllm.settings import (
     RequestPolicy,
@@ -135,6 +143,47 @@ def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(qwen2_5_dir, **setting)
     config_of(qwen2_5_dir, **setting, hf_overrides={})
+
+
+def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
+    """Qwen3-VL adds DeepStack features to the outputs of decoder layers 0 and 1: scoring layer 0 would
+    cut before the last injection, refused when the engine starts as priortr.apply refuses it; layer 1
+    (the last injected layer) starts."""
+    with pytest.raises(
+        ValueError, match=r"0\.\.1 \(DeepStack\), so fastv cannot prune after layer 0; score layer 1"
+    ):
+        config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 0}})
+    config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 1}})
+
+
+def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
+    """Qwen3-VL MoE is pruned by priortr.apply, not by the plug-in: with priortr settings the engine
+    refuses to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
+    from tests.vllm import checkpoints
+
+    path = checkpoints.qwen3_vl_moe(tmp_path / "qwen3-vl-moe")
+    with pytest.raises(
+        ValueError, match=r"does not serve Qwen3VLMoeForConditionalGeneration .* served unpruned"
+    ):
+        config_of(path)
+    config_of(path, hf_overrides={})
+
+
+def test_unserved_hook_keeps_vllms_own_hook():
+    """The refusing hook runs vLLM's own hook for the architecture, and wraps it once however often the
+    plug-in registers."""
+    seen = []
+
+    class Own(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config):
+            seen.append(vllm_config)
+
+    hook = unserved_hook(Own)
+    assert issubclass(hook, UnservedFamilyHook) and unserved_hook(hook) is hook
+    stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
+    hook.verify_and_update_config(stock)
+    assert seen == [stock]
 
 
 def test_model_runner_v2_starts(llava_dir, monkeypatch):

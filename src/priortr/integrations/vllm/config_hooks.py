@@ -18,7 +18,10 @@ from vllm import envs
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from priortr.adapters.qwen3_vl import deepstack_layers
+from priortr.engine.config import check_injection
 from priortr.integrations.vllm.processor import served_config
+from priortr.integrations.vllm.settings import SETTINGS_KEY
 
 LINEAR_ROPE_CHANNELS = [1, 1, 1]
 """A 3-channel M-RoPE layout declared on a 1-D RoPE model's top-level config, so that vLLM keeps
@@ -138,3 +141,49 @@ class PruningConfigHook(VerifyAndUpdateConfig):
 
 class LinearRopeConfigHook(PruningConfigHook):
     linear_rope = True
+
+
+class DeepStackConfigHook(PruningConfigHook):
+    """Qwen3-VL: also refuse a scored layer before the last DeepStack injection, as ``priortr.apply``
+    does (the features of decoder layers 0..J-1 are added to every visual token before the cut)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        PruningConfigHook.verify_and_update_config(vllm_config)
+        hf_config = vllm_config.model_config.hf_config
+        config = served_config(hf_config)
+        if config is not None:
+            n_layers = hf_config.get_text_config().num_hidden_layers
+            check_injection(config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
+
+
+class UnservedFamilyHook(VerifyAndUpdateConfig):
+    """An architecture the plug-in does not serve (``registration.UNSERVED``): vLLM would build its own
+    class and never read the ``priortr`` settings, serving the model unpruned, so a config carrying
+    them is refused when the engine starts. vLLM's own hook for the architecture (``previous``) runs
+    as before; a config without ``priortr`` settings is untouched."""
+
+    previous: type[VerifyAndUpdateConfig] = VerifyAndUpdateConfig
+
+    @classmethod
+    def verify_and_update_model_config(cls, model_config: Any) -> None:
+        cls.previous.verify_and_update_model_config(model_config)
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config: Any) -> None:
+        model_config = vllm_config.model_config
+        if getattr(model_config.hf_config, SETTINGS_KEY, None) is not None:
+            raise ValueError(
+                f"priortr's vLLM plug-in does not serve {model_config.architecture} (docs/serving.md, "
+                "Families): with these priortr settings it would be served unpruned; drop them to serve "
+                "it unpruned, or prune it with priortr.apply on Hugging Face transformers"
+            )
+        cls.previous.verify_and_update_config(vllm_config)
+
+
+def unserved_hook(previous: type[VerifyAndUpdateConfig] | None) -> type[VerifyAndUpdateConfig]:
+    """The refusing hook over vLLM's own hook ``previous`` (None: it has none); idempotent, as every
+    vLLM process registers the plug-in."""
+    if previous is not None and issubclass(previous, UnservedFamilyHook):
+        return previous
+    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": previous or VerifyAndUpdateConfig})
