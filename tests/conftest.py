@@ -18,10 +18,22 @@ long one lives.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 from tests.helpers.families import FAMILIES
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``scripts/test.sh`` runs one worker per core) each worker takes its share of
+    the cores: torch's default, every core in every worker, oversubscribes them and runs the suite
+    several times slower than one process."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 class TinyModels(dict):
