@@ -33,6 +33,13 @@ SERVED = [
         "Qwen2_5_VLProcessingInfo",
         "Qwen2_5_VL",
     ),
+    (
+        "qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMultiModalProcessor",
+        "Qwen3VLProcessingInfo",
+        "Qwen3VL",
+    ),
 ]
 
 
@@ -124,9 +131,16 @@ NAMES = [
     Name("vllm.config.cache", "CacheConfig.enable_prefix_caching"),
     Name("vllm.config.cache", "CacheConfig.kv_offloading_size"),
     Name("vllm.config.model", "ModelConfig.enforce_eager"),
-    Name("vllm.config.parallel", "ParallelConfig.tensor_parallel_size"),
+    Name("vllm.config.compilation", "CompilationConfig.mode"),
+    Name("vllm.config.compilation", "CompilationConfig.cudagraph_mode"),
+    Name("vllm.config.compilation", "CompilationMode.STOCK_TORCH_COMPILE"),
+    Name("vllm.config.compilation", "CUDAGraphMode.NONE"),
+    Name("vllm.config.compilation", "CUDAGraphMode.FULL"),
+    Name("vllm.config.compilation", "CUDAGraphMode.FULL_DECODE_ONLY"),
+    Name("vllm.config.compilation", "CUDAGraphMode.mixed_mode"),
+    Name("vllm.envs", "VLLM_USE_BREAKABLE_CUDAGRAPH"),
+    Name("vllm.distributed.communication_op", "tensor_model_parallel_all_gather", ("input_", "dim")),
     Name("vllm.config.parallel", "ParallelConfig.pipeline_parallel_size"),
-    Name("vllm.config.parallel", "ParallelConfig.data_parallel_size"),
     Name("vllm.config.vllm", "VllmConfig.speculative_config"),
     Name("vllm.config.vllm", "VllmConfig.kv_transfer_config"),
     Name("vllm.config.vllm", "VllmConfig.ec_transfer_config"),
@@ -134,6 +148,13 @@ NAMES = [
     Name("vllm.config.compilation", "CompilationConfig.cudagraph_mm_encoder"),
     Name("vllm.config.multimodal", "MultiModalConfig.video_pruning_rate"),
     Name("vllm.config.multimodal", "MultiModalConfig.mm_processor_cache_type"),
+    Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
+    Name(
+        f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._get_deepstack_input_embeds", ("num_tokens",)
+    ),
+    Name(
+        f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._clear_deepstack_input_embeds", ("num_tokens",)
+    ),
     *_served(),
 ]
 

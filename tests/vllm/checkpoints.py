@@ -1,5 +1,5 @@
-"""Tiny random-weight LLaVA, Qwen2-VL and Qwen2.5-VL checkpoints that vLLM's CPU build can load,
-built offline.
+"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints that vLLM's CPU build can
+load, built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +22,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 from tests.helpers import checkpoint
@@ -36,9 +39,16 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
+from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 QWEN_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}  # sums to 32 / 2
+QWEN3_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "mrope_section": [6, 5, 5],
+    "mrope_interleaved": True,
+}
 WEIGHT_STD = 0.08
 QWEN_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
@@ -49,16 +59,18 @@ QWEN_TEMPLATE = (
 )
 
 
-def _widen(path: Path, seed: int) -> None:
+def _widen(path: Path, seed: int, vision: tuple[str, ...] = ()) -> None:
     """Redraw the language model's and projector's matrices with std ``WEIGHT_STD`` (norms untouched),
-    and name a CLIP tower's weights as the llava-hf checkpoints do (``vision_tower.vision_model.*``,
-    which vLLM's loader expects and transformers reads too)."""
+    and the vision tower's whose names hold one of ``vision``, and name a CLIP tower's weights as the
+    llava-hf checkpoints do (``vision_tower.vision_model.*``, which vLLM's loader expects and
+    transformers reads too)."""
     file = path / "model.safetensors"
     weights = load_file(file)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in weights.items():
-        if value.ndim == 2 and "vision_tower" not in name and "visual" not in name:
+        tower = "vision_tower" in name or "visual" in name
+        if value.ndim == 2 and (not tower or any(part in name for part in vision)):
             value = torch.randn(value.shape, generator=generator) * WEIGHT_STD
         if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
             name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
@@ -88,27 +100,72 @@ def qwen2_5_vl(path: str | Path) -> Path:
     return _qwen(Path(path), tiny_qwen2_5_vl, "out_hidden_size", Qwen2_5_VLProcessor, seed=3)
 
 
-def _qwen(path: Path, build: Callable, merger_width: str, processor_class: type, seed: int) -> Path:
-    """A tiny Qwen-VL of ``build`` with the head_dim-32 text model; ``merger_width`` names the vision
-    config's output width (the text width)."""
+def qwen3_vl(path: str | Path) -> Path:
+    """Qwen3-VL with a 4-layer head_dim-32 text model (q/k norms, interleaved M-RoPE) and DeepStack
+    features added to the outputs of decoder layers 0 and 1 (``tests.helpers.tiny_qwen3_vl``); patches
+    of 16 px, so a 64x64 image is 4 visual tokens and 128x128 is 16. The DeepStack mergers are drawn
+    wide too: at transformers' default std the features are too small to change a greedy answer."""
+    return _qwen(
+        Path(path),
+        tiny_qwen3_vl,
+        "out_hidden_size",
+        Qwen3VLProcessor,
+        seed=4,
+        patch=16,
+        vision=("deepstack_merger_list",),
+        text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
+        video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
+    )
+
+
+def qwen3_vl_moe(path: str | Path) -> Path:
+    """Qwen3-VL MoE, laid out as ``qwen3_vl``: a family the plug-in does not serve."""
+    return _qwen(
+        Path(path),
+        tiny_qwen3_vl_moe,
+        "out_hidden_size",
+        Qwen3VLProcessor,
+        seed=5,
+        patch=16,
+        text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
+        video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
+    )
+
+
+def _qwen(
+    path: Path,
+    build: Callable,
+    merger_width: str,
+    processor_class: type,
+    seed: int,
+    patch: int = 14,
+    text: dict[str, Any] | None = None,
+    video: Callable[[int, int], Any] = lambda low, high: Qwen2VLVideoProcessor(
+        min_pixels=low, max_pixels=high
+    ),
+    vision: tuple[str, ...] = (),
+) -> Path:
+    """A tiny Qwen-VL of ``build`` with the head_dim-32 text model (``text`` adds to or replaces its
+    settings); ``merger_width`` names the vision config's output width (the text width); images are
+    resized to 4x4 .. 8x8 patches of ``patch`` px; ``vision``: as ``_widen``'s."""
     path.mkdir(parents=True, exist_ok=True)
     model = build(dtype=torch.float32)
     config = model.config
-    for key, value in {**TEXT, "rope_parameters": QWEN_ROPE}.items():
+    for key, value in {**TEXT, "rope_parameters": QWEN_ROPE, **(text or {})}.items():
         setattr(config.text_config, key, value)
     setattr(config.vision_config, merger_width, TEXT["hidden_size"])
     torch.manual_seed(0)
     model = type(model)._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     model.save_pretrained(path)
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+    low, high = (4 * patch) ** 2, (8 * patch) ** 2
     processor = processor_class(
-        image_processor=Qwen2VLImageProcessorPil(**pixels),
-        video_processor=Qwen2VLVideoProcessor(**pixels),
+        image_processor=Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=low, max_pixels=high),
+        video_processor=video(low, high),
         tokenizer=_qwen_tokenizer(),
         chat_template=QWEN_TEMPLATE,
     )
     processor.save_pretrained(path)
-    _widen(path, seed=seed)
+    _widen(path, seed=seed, vision=vision)
     return path
 
 

@@ -39,3 +39,10 @@ def qwen2_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.qwen2_5_vl(tmp_path_factory.mktemp("qwen2.5-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.plugins import load_general_plugins
 
-from priortr.integrations.vllm.config_hooks import PruningConfigHook, refusals
+from priortr.integrations.vllm.config_hooks import (
+    PruningConfigHook,
+    UnservedFamilyHook,
+    refusals,
+    unserved_hook,
+)
 from priortr.integrations.vllm.decoder import check_backend
 from priortr.integrations.vllm.processor import STEP_LIMIT_KEY
 from priortr.integrations.vllm.scheduler import PruningScheduler
@@ -41,14 +49,22 @@ def test_exact_settings_start(llava_dir):
 
 
 @pytest.mark.parametrize(
-    ("setting", "flag"),
+    "setting",
     [
-        ({"enforce_eager": False}, "--enforce-eager"),
+        {"enforce_eager": False},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+        {"compilation_config": {"cudagraph_mode": "FULL"}},  # enforce_eager: no graph is captured
+        {"tensor_parallel_size": 2},
+        {"data_parallel_size": 2},
     ],
+    ids=["compiled", "full-and-piecewise", "full-decode-only", "piecewise", "eager-full", "tp", "dp"],
 )
-def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
-    with pytest.raises(ValueError, match=flag):
-        config_of(llava_dir, **setting)
+def test_compiled_and_parallel_settings_start(llava_dir, setting):
+    """vLLM's compiled model with the CUDA-graph modes that leave a pruned step to the model's Python
+    forward, tensor and data parallelism: served (test_compiled.py and test_parallel.py run them)."""
+    config_of(llava_dir, **setting)
 
 
 def test_prefix_caching_and_chunked_prefill_start_with_the_plug_ins_scheduler(llava_dir):
@@ -77,6 +93,37 @@ def test_another_scheduler_is_refused_while_it_could_split_a_pruned_prompt(llava
 @pytest.mark.parametrize(
     ("setting", "flag"),
     [
+        ({"enforce_eager": False, "compilation_config": {"mode": 1}}, "compilation mode at vLLM's default"),
+        (
+            {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
+            "FULL_AND_PIECEWISE .vLLM's default., FULL_DECODE_ONLY, PIECEWISE or NONE",
+        ),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 1"),
+    ],
+    ids=["stock-compile", "full-graphs", "pp"],
+)
+def test_graphs_and_pipeline_parallelism_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
+    """Stock torch.compile of the whole model and FULL graphs for batches with prefills would run a
+    pruned step without the plug-in's forward; a later pipeline stage would not learn the kept
+    layout. The same settings without priortr start (a control of the refusal)."""
+    with pytest.raises(ValueError, match=flag):
+        config_of(llava_dir, **setting)
+    config_of(llava_dir, **{**setting, "hf_overrides": {}})
+
+
+def test_breakable_cuda_graphs_are_refused(llava_dir, monkeypatch):
+    """vLLM's breakable CUDA graphs wrap the whole model, the plug-in's forward included; refused
+    unless no piecewise graph is captured."""
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(ValueError, match="unset VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        config_of(llava_dir, enforce_eager=False)
+    config_of(llava_dir, enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    config_of(llava_dir)  # enforce_eager
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [
         ({"video_pruning_rate": 0.5}, "--video-pruning-rate"),
         ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
         (
@@ -89,7 +136,6 @@ def test_another_scheduler_is_refused_while_it_could_split_a_pruned_prompt(llava
         ),
         ({"enable_lora": True}, "--enable-lora"),
         ({"compilation_config": {"cudagraph_mm_encoder": True}}, "cudagraph_mm_encoder"),
-        ({"data_parallel_size": 2}, "--data-parallel-size 1"),
         ({"mm_processor_cache_type": "shm"}, "--mm-processor-cache-type lru"),
     ],
     ids=[
@@ -99,7 +145,6 @@ def test_another_scheduler_is_refused_while_it_could_split_a_pruned_prompt(llava
         "ec-connector",
         "lora",
         "encoder-graphs",
-        "dp",
         "shm-cache",
     ],
 )
@@ -109,6 +154,47 @@ def test_settings_that_break_pruning_are_refused(qwen2_5_dir, setting, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(qwen2_5_dir, **setting)
     config_of(qwen2_5_dir, **setting, hf_overrides={})
+
+
+def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
+    """Qwen3-VL adds DeepStack features to the outputs of decoder layers 0 and 1: scoring layer 0 would
+    cut before the last injection, refused when the engine starts as priortr.apply refuses it; layer 1
+    (the last injected layer) starts."""
+    with pytest.raises(
+        ValueError, match=r"0\.\.1 \(DeepStack\), so fastv cannot prune after layer 0; score layer 1"
+    ):
+        config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 0}})
+    config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 1}})
+
+
+def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
+    """Qwen3-VL MoE is pruned by priortr.apply, not by the plug-in: with priortr settings the engine
+    refuses to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
+    from tests.vllm import checkpoints
+
+    path = checkpoints.qwen3_vl_moe(tmp_path / "qwen3-vl-moe")
+    with pytest.raises(
+        ValueError, match=r"does not serve Qwen3VLMoeForConditionalGeneration .* served unpruned"
+    ):
+        config_of(path)
+    config_of(path, hf_overrides={})
+
+
+def test_unserved_hook_keeps_vllms_own_hook():
+    """The refusing hook runs vLLM's own hook for the architecture, and wraps it once however often the
+    plug-in registers."""
+    seen = []
+
+    class Own(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config):
+            seen.append(vllm_config)
+
+    hook = unserved_hook(Own)
+    assert issubclass(hook, UnservedFamilyHook) and unserved_hook(hook) is hook
+    stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
+    hook.verify_and_update_config(stock)
+    assert seen == [stock]
 
 
 def test_model_runner_v2_starts(llava_dir, monkeypatch):

@@ -40,9 +40,14 @@ class Qwen3VLAdapter(QwenVLAdapter):
         return queries, keys
 
     def injected_layers(self, model: nn.Module) -> int:
-        """One decoder layer per DeepStack feature: the vision tower emits a feature after each block listed
-        in ``deepstack_visual_indexes`` (each block once, indexes outside ``[0, depth)`` never match) and the
-        text model adds feature ``i`` to the output of decoder layer ``i``."""
-        vision = model.config.vision_config
-        blocks = {index for index in vision.deepstack_visual_indexes if 0 <= index < vision.depth}
-        return min(len(blocks), len(self.decoder_layers(model)))
+        """``deepstack_layers`` of the model's vision config and decoder layers."""
+        return deepstack_layers(model.config.vision_config, len(self.decoder_layers(model)))
+
+
+def deepstack_layers(vision_config: object, n_layers: int) -> int:
+    """One decoder layer per DeepStack feature: the vision tower emits a feature after each block listed
+    in ``deepstack_visual_indexes`` (each block once, indexes outside ``[0, depth)`` never match) and the
+    text model adds feature ``i`` to the output of decoder layer ``i`` (of ``n_layers``). A function of
+    the config, so that the vLLM plug-in refuses what ``apply`` refuses before it builds a model."""
+    blocks = {index for index in vision_config.deepstack_visual_indexes if 0 <= index < vision_config.depth}
+    return min(len(blocks), n_layers)

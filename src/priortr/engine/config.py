@@ -115,7 +115,7 @@ class PruningConfig:
                 "model's vision tower has no [CLS] token; use a method that needs none (divprune, dart, "
                 "or an in-LLM method)"
             )
-        _check_injection(self, adapter.injected_layers(model), n_layers)
+        check_injection(self, adapter.injected_layers(model), n_layers)
         _check_scored_layers(self, adapter.attention_layers(model), n_layers)
 
     def schedule(
@@ -259,9 +259,10 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[
     return options
 
 
-def _check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:
+def check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:
     """Refuse stages that would prune while the model still adds visual features to the hidden states
-    (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers)."""
+    (Qwen3-VL's DeepStack injects into the outputs of its first ``injected`` layers); the vLLM plug-in
+    runs it when the engine starts."""
     if injected == 0:
         return
     first = min(layer for layer, _ in config.schedule(1 << 20, n_layers))

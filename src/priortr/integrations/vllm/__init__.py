@@ -2,10 +2,11 @@
 
 ``register`` is vLLM's ``vllm.general_plugins`` entry point, run in every vLLM process (its CLI
 parsing included): on a vLLM release in ``SUPPORTED_VLLM`` it registers the pruning model classes
-under vLLM's LLaVA-1.5, Qwen2-VL and Qwen2.5-VL architecture names, with their processors and config
-hooks. A model whose config carries no ``priortr`` settings is built as vLLM's own class. On any other
-vLLM, or on any error while registering, it logs one warning and registers nothing, so stock vLLM
-keeps working.
+under vLLM's LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL architecture names, with their processors
+and config hooks, and a config hook that refuses ``priortr`` settings on the other families
+``priortr.apply`` prunes. A model whose config carries no ``priortr`` settings is built as vLLM's own
+class. On any other vLLM, or on any error while registering, it logs one warning and registers
+nothing, so stock vLLM keeps working.
 """
 
 from __future__ import annotations

@@ -7,15 +7,25 @@ setting to change: a garbled answer is never an option. An engine that starts is
 scheduler (``scheduler.py``: a pruned prompt whole in one step and off the prefix cache, so prefix
 caching and chunked prefill stay on), and its model config the longest prompt one step holds, which
 the processor checks pruned prompts against.
+
+Compiled models and CUDA graphs are served where every step with a pruned prompt still calls the
+model's Python ``forward`` (docs/serving.md, Compiled models and CUDA graphs): vLLM compiles the
+language model (its ``@support_torch_compile`` module), which decode and unpruned steps run, while a
+pruned step runs the layers one by one. What would replay or compile ``forward`` itself is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm import envs
+from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from priortr.adapters.qwen3_vl import deepstack_layers
+from priortr.engine.config import check_injection
 from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, served_config
+from priortr.integrations.vllm.settings import SETTINGS_KEY
 
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
 """The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
@@ -46,24 +56,16 @@ def refusals(vllm_config: Any) -> list[str]:
             "scheduler does; drop --scheduler-cls, or pass --no-enable-prefix-caching "
             "--no-enable-chunked-prefill"
         )
-    if not vllm_config.model_config.enforce_eager:
+    out += compiled_refusals(vllm_config)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append(
-            "torch.compile / CUDA graphs: a pruned step plans on the host between layers; pass "
-            "--enforce-eager (LLM(enforce_eager=True))"
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        out.append(
-            "tensor / pipeline parallelism: the head-mean scores would need every rank's heads; pass "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1 (scale out with one server per replica)"
+            "pipeline parallelism: the scores and the cut are made on the stage holding layer L, and a "
+            "later stage would get the placeholders' records as positions, not the kept tokens' (vLLM "
+            "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
+            "is served)"
         )
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
-    if parallel.data_parallel_size > 1:
-        out.append(
-            "data parallelism: vLLM pads and synchronises the replicas' steps, which the plug-in's pruned "
-            "steps were never run under; pass --data-parallel-size 1 and run one server per replica"
-        )
     if vllm_config.kv_transfer_config is not None or vllm_config.cache_config.kv_offloading_size:
         out.append(
             "KV connectors / KV offloading: an external cache hit hands a prompt over in pieces and "
@@ -99,6 +101,37 @@ def refusals(vllm_config: Any) -> list[str]:
     return out
 
 
+def compiled_refusals(vllm_config: Any) -> list[str]:
+    """The compilation and CUDA-graph settings that would run a step with a pruned prompt without the
+    model's Python ``forward``: stock torch.compile of the whole model (``forward`` plans on the host),
+    FULL CUDA graphs for batches with prefills (a replay of a captured stock step), and vLLM's
+    breakable CUDA graphs (they wrap the whole model for piecewise replay)."""
+    if vllm_config.model_config.enforce_eager:
+        return []
+    compilation = vllm_config.compilation_config
+    out = []
+    if compilation.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        out.append(
+            "stock torch.compile of the whole model (compilation mode 1): the plug-in's forward plans a "
+            "pruned step on the host; leave the compilation mode at vLLM's default (-O3) or pass "
+            "--enforce-eager"
+        )
+    graphs = compilation.cudagraph_mode
+    if graphs is not None and graphs.mixed_mode() == CUDAGraphMode.FULL:
+        out.append(
+            f"cudagraph_mode {graphs.name}: a batch with a prefill would replay a captured stock step and "
+            "skip the pruned prefill; pass FULL_AND_PIECEWISE (vLLM's default), FULL_DECODE_ONLY, "
+            "PIECEWISE or NONE in --compilation-config"
+        )
+    no_piecewise = graphs in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
+    if envs.VLLM_USE_BREAKABLE_CUDAGRAPH and not no_piecewise:
+        out.append(
+            "breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1): they capture the whole model's "
+            "forward and would replay a stock step for a pruned prefill; unset VLLM_USE_BREAKABLE_CUDAGRAPH"
+        )
+    return out
+
+
 class PruningConfigHook(VerifyAndUpdateConfig):
     """Refuse what cannot be served exactly; serve with the plug-in's scheduler; give a 1-D RoPE
     model per-request positions."""
@@ -128,3 +161,49 @@ class PruningConfigHook(VerifyAndUpdateConfig):
 
 class LinearRopeConfigHook(PruningConfigHook):
     linear_rope = True
+
+
+class DeepStackConfigHook(PruningConfigHook):
+    """Qwen3-VL: also refuse a scored layer before the last DeepStack injection, as ``priortr.apply``
+    does (the features of decoder layers 0..J-1 are added to every visual token before the cut)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        PruningConfigHook.verify_and_update_config(vllm_config)
+        hf_config = vllm_config.model_config.hf_config
+        config = served_config(hf_config)
+        if config is not None:
+            n_layers = hf_config.get_text_config().num_hidden_layers
+            check_injection(config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
+
+
+class UnservedFamilyHook(VerifyAndUpdateConfig):
+    """An architecture the plug-in does not serve (``registration.UNSERVED``): vLLM would build its own
+    class and never read the ``priortr`` settings, serving the model unpruned, so a config carrying
+    them is refused when the engine starts. vLLM's own hook for the architecture (``previous``) runs
+    as before; a config without ``priortr`` settings is untouched."""
+
+    previous: type[VerifyAndUpdateConfig] = VerifyAndUpdateConfig
+
+    @classmethod
+    def verify_and_update_model_config(cls, model_config: Any) -> None:
+        cls.previous.verify_and_update_model_config(model_config)
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config: Any) -> None:
+        model_config = vllm_config.model_config
+        if getattr(model_config.hf_config, SETTINGS_KEY, None) is not None:
+            raise ValueError(
+                f"priortr's vLLM plug-in does not serve {model_config.architecture} (docs/serving.md, "
+                "Families): with these priortr settings it would be served unpruned; drop them to serve "
+                "it unpruned, or prune it with priortr.apply on Hugging Face transformers"
+            )
+        cls.previous.verify_and_update_config(vllm_config)
+
+
+def unserved_hook(previous: type[VerifyAndUpdateConfig] | None) -> type[VerifyAndUpdateConfig]:
+    """The refusing hook over vLLM's own hook ``previous`` (None: it has none); idempotent, as every
+    vLLM process registers the plug-in."""
+    if previous is not None and issubclass(previous, UnservedFamilyHook):
+        return previous
+    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": previous or VerifyAndUpdateConfig})

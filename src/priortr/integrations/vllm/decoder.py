@@ -1,12 +1,13 @@
 """The one module that knows vLLM's decoder layers: the language model split at the scored layer, a
-layer taken apart into the steps a pruned prefill runs separately, and the batch facts read from
-vLLM's attention metadata.
+layer taken apart into the steps a pruned prefill runs separately, the batch facts read from vLLM's
+attention metadata, and the one collective a pruned prefill adds under tensor parallelism.
 
-vLLM's Llama and Qwen2 decoder layers (LLaVA-1.5's and Qwen2/2.5-VL's language models) are
-``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp``
-with a fused residual, called as ``layer(positions, hidden, residual)``, and the language model ends
-in a norm that takes the residual too; a layer of another shape is refused when the model loads, with
-its type named.
+vLLM's Llama, Qwen2 and Qwen3-VL decoder layers (LLaVA-1.5's, Qwen2/2.5-VL's and Qwen3-VL's language
+models) are ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm
+-> mlp`` with a fused residual, called as ``layer(positions, hidden, residual)``, and the language model
+ends in a norm that takes the residual too; Qwen3-VL's attention applies an RMSNorm to each head of q and
+k before RoPE (``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward``). A layer of another shape is
+refused when the model loads, with its type named.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context
 
-KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer"})
+KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3VLDecoderLayer"})
+QK_NORM_LAYERS = frozenset({"Qwen3VLDecoderLayer"})
+"""The known layers whose attention normalises each head of q and k before RoPE (``q_norm``, ``k_norm``)."""
 READABLE_BACKENDS = frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"})
 """vLLM attention backends whose per-layer metadata carries ``query_start_loc`` and ``seq_lens`` as
 tensors of the step's requests (read in vLLM 0.32 / 0.33; ``CPU_ATTN`` is the one run by the tests).
@@ -35,10 +39,14 @@ class LayerParts:
         missing = [part for part in _PARTS if not hasattr(layer, part)]
         attention = getattr(layer, "self_attn", None)
         missing += [part for part in _ATTENTION_PARTS if not hasattr(attention, part)]
+        self.qk_norm = name in QK_NORM_LAYERS
+        if self.qk_norm:
+            missing += [part for part in ("q_norm", "k_norm") if not hasattr(attention, part)]
         if name not in KNOWN_LAYERS or missing or getattr(attention, "qk_norm", False):
             raise ValueError(
-                f"priortr's vLLM plug-in runs {', '.join(sorted(KNOWN_LAYERS))} (without q/k norms); this "
-                f"model's decoder layer is {name}{' lacking ' + ', '.join(missing) if missing else ''}"
+                f"priortr's vLLM plug-in runs {', '.join(sorted(KNOWN_LAYERS))} (q/k norms only on "
+                f"{', '.join(sorted(QK_NORM_LAYERS))}); this model's decoder layer is "
+                f"{name}{' lacking ' + ', '.join(missing) if missing else ''}"
             )
         check_backend(attention.attn)
         self.layer = layer
@@ -60,10 +68,14 @@ class LayerParts:
     def project(
         self, normed: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H*d], k [T, Hkv*d] after RoPE at ``positions``, and v [T, Hkv*d]."""
+        """q [T, H*d], k [T, Hkv*d] after RoPE at ``positions`` (and the per-head q/k norms before it,
+        where the layer has them), and v [T, Hkv*d]."""
         module = self.module
         qkv, _ = module.qkv_proj(normed)
         q, k, v = qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+        if self.qk_norm:
+            q = module.q_norm(q.view(*q.shape[:-1], -1, self.head_dim)).view(q.shape)
+            k = module.k_norm(k.view(*k.shape[:-1], -1, self.head_dim)).view(k.shape)
         q, k = module.rotary_emb(positions, q, k)
         return q, k, v
 
@@ -93,6 +105,16 @@ class LayerParts:
     def heads_view(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """[T, heads*d] -> [1, heads, T, d]."""
         return x.view(x.shape[0], heads, self.head_dim).transpose(0, 1)[None]
+
+    @staticmethod
+    def every_head(rows: torch.Tensor) -> torch.Tensor:
+        """This rank's attention rows [1, h, R, S] joined with every other tensor-parallel rank's, in
+        head order: [1, H, R, S]. Under tensor parallelism each rank computes h = H / tp of the layer's
+        heads (vLLM splits the q/k/v projections by head, rank r holding heads r*h .. r*h+h-1), while
+        the method aggregates over all H (mean, or max: ``PruningConfig.heads``, which a sum reduced
+        across ranks could not give), so every rank gathers the whole tensor and makes the same choice;
+        with one rank it is ``rows`` itself."""
+        return tensor_model_parallel_all_gather(rows.contiguous(), dim=1)
 
 
 class TextModel:

@@ -1,4 +1,5 @@
-"""LLaVA-1.5, Qwen2-VL and Qwen2.5-VL as vLLM serves them, pruning visual tokens after decoder layer L.
+"""LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL as vLLM serves them, pruning visual tokens after decoder
+layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -16,6 +17,9 @@ the plug-in's code. The hooks:
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
   original positions. Any other step is the stock forward.
+
+Qwen3-VL's DeepStack features ride in each image's encoder rows (vLLM packs them there); a pruned step
+adds them to the outputs of the first decoder layers as vLLM's own forward does (``prefill_step.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
@@ -115,8 +120,8 @@ class PruningModel:
         self._step = None
         if not multimodal_embeddings:
             return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
-        width = self._hf_config.get_text_config().hidden_size
-        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, D] or the step's [n, D]
+        width = self._encoder_width()
+        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, W] or the step's [n, W]
         images, runs = [], iter(image_runs(is_multimodal))
         row, end = next(runs)
         for embeddings in items:
@@ -129,6 +134,15 @@ class PruningModel:
             self._step = StepInputs(input_ids.tolist(), images)
         merged = [image.embeddings[: image.kept] for image in images]
         return super().embed_input_ids(input_ids, merged, is_multimodal=is_multimodal)
+
+    def _encoder_width(self) -> int:
+        """The width W of an image's encoder rows as ``embed_multimodal`` returns them: the text width."""
+        return self._hf_config.get_text_config().hidden_size
+
+    def _step_injections(self, rows: int) -> list[torch.Tensor]:
+        """What the language model adds to the outputs of its first layers in this step, [T, D] per
+        layer, taken from the model (Qwen3-VL's DeepStack); none by default."""
+        return []
 
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: list
@@ -164,6 +178,7 @@ class PruningModel:
     @torch.no_grad()
     def _pruned_forward(self, step: StepInputs, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
         """One step holding pruned prompts: see the module docstring."""
+        injected = self._step_injections(inputs_embeds.shape[0])
         starts, seq_lens = batch_layout(self._text.scored[0])
         prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.linear_rope)
         kept = [
@@ -178,7 +193,7 @@ class PruningModel:
             )
             for prompt in prompts
         ]
-        return self._run_batch(prompts, kept, positions, inputs_embeds)
+        return self._run_batch(prompts, kept, positions, inputs_embeds, injected)
 
     def _run_batch(
         self,
@@ -186,10 +201,12 @@ class PruningModel:
         kept: list[KeptPrompt],
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor,
+        injected: list[torch.Tensor],
     ) -> torch.Tensor:
         """The step's batch through every layer: layers 0..L on the rows vLLM computes (everything but
-        the pruned prompts) while the pruned prompts' kept keys/values enter the paged cache, then
-        layers L+1.. on every row, the pruned prompts' rows holding their kept tokens."""
+        the pruned prompts, ``injected[i]`` added to layer i's output) while the pruned prompts' kept
+        keys/values enter the paged cache, then layers L+1.. on every row, the pruned prompts' rows
+        holding their kept tokens."""
         device = inputs_embeds.device
         rows = inputs_embeds.shape[0]
         pruned_rows = [r for p in prompts for r in range(p.start, p.start + p.length)]
@@ -216,6 +233,8 @@ class PruningModel:
             attended = parts.paged_attention(query, key, value)
             if live.numel():
                 hidden, residual = parts.output(attended.index_select(0, live), residual)
+                if index < len(injected):
+                    hidden = hidden + injected[index].index_select(0, live)
         width = inputs_embeds.shape[1]
         all_hidden = hidden.new_empty(rows, width).index_copy_(0, live, hidden)
         all_residual = residual.new_empty(rows, width).index_copy_(0, live, residual)
@@ -286,3 +305,26 @@ class PruningQwen2_5_VL(QwenPositions, PruningModel, Qwen2_5_VLForConditionalGen
     """vLLM's Qwen2.5-VL with priortr (M-RoPE)."""
 
     stock = Qwen2_5_VLForConditionalGeneration
+
+
+class PruningQwen3VL(QwenPositions, PruningModel, Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with priortr (interleaved M-RoPE, q/k norms, DeepStack).
+
+    vLLM's encoder returns each image's rows as [N, D * (1 + J)], its embeddings and J DeepStack
+    features, and ``embed_input_ids`` leaves the features of the step's tokens in a buffer that the
+    forward adds to the outputs of decoder layers 0..J-1; a pruned step takes them from that buffer."""
+
+    stock = Qwen3VLForConditionalGeneration
+
+    def _encoder_width(self) -> int:
+        return super()._encoder_width() * (1 + self.deepstack_num_level)
+
+    def _step_injections(self, rows: int) -> list[torch.Tensor]:
+        found = self._get_deepstack_input_embeds(rows)  # views of the buffer, cleared below
+        if found is None:
+            return []
+        injected = [
+            found[f"deepstack_input_embeds_{level}"].clone() for level in range(self.deepstack_num_level)
+        ]
+        self._clear_deepstack_input_embeds(rows)
+        return injected

@@ -9,6 +9,11 @@ library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's a
 (``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions.
+
+An image's encoder rows are [N, D * (1 + J)]: its N embeddings, then (Qwen3-VL's DeepStack, J > 0) the
+features the language model adds to the outputs of decoder layers 0..J-1 at the image's tokens, as
+vLLM's Qwen3-VL encoder packs them. They are added to all N tokens of the whole prompt: the engine
+refuses a scored layer before J - 1 (as ``priortr.apply`` does), so every injection happens before the cut.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from priortr.integrations.vllm.positions import image_positions
 @dataclass(frozen=True)
 class StepImage:
     """An image scheduled in this step: the batch row of its first placeholder in the step, its
-    placeholders in the step and its embeddings: a pruned image's N [N, D] (K placeholders), an
-    unpruned image's rows for its placeholders in the step."""
+    placeholders in the step and its encoder rows [., D * (1 + J)] (the embeddings, then J DeepStack
+    features; see above): a pruned image's N (K placeholders), an unpruned image's rows for its
+    placeholders in the step."""
 
     row: int
     kept: int
@@ -174,21 +180,30 @@ def prefill_prompt(
 ) -> KeptPrompt:
     """Layers 0..L on the whole prompt, the method's choice at layer L, and the surviving tokens."""
     device = inputs_embeds.device
-    length = len(prompt.token_ids)
-    hidden = inputs_embeds.new_empty(length, inputs_embeds.shape[1])  # [S, D]
+    length, width = len(prompt.token_ids), inputs_embeds.shape[1]
+    hidden = inputs_embeds.new_empty(length, width)  # [S, D]
     hidden[prompt.text_columns.to(device)] = inputs_embeds[prompt.text_rows.to(device)]
+    levels = prompt.images[0][1].shape[1] // width - 1  # J DeepStack features per token
+    injected = inputs_embeds.new_zeros(levels, length, width)  # [J, S, D]: zero at text tokens
     for column, embeddings in prompt.images:
-        hidden[column : column + embeddings.shape[0]] = embeddings.to(hidden.dtype)
+        rows = embeddings.to(hidden.dtype)
+        hidden[column : column + rows.shape[0]] = rows[:, :width]
+        if levels:
+            injected[:, column : column + rows.shape[0]] = (
+                rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1)
+            )
     positions = prompt.positions.to(device)  # [3, S]
     rope_positions = positions[0] if linear else positions
     residual = None
     keys, values = [], []
-    for parts in layers:
+    for index, parts in enumerate(layers):
         normed, residual = parts.attention_input(hidden, residual)
         q, k, v = parts.project(normed, rope_positions)
         keys.append(k)
         values.append(v)
         hidden, residual = parts.output(parts.causal_attention(q, k, v), residual)
+        if index < levels:
+            hidden = hidden + injected[index]
     keep = _survivors(prompt, q, k, hidden + residual, layers[-1], config, adapter, hf_config, len(layers))
     if keep.shape[0] != prompt.length:
         raise RuntimeError(f"priortr: kept {keep.shape[0]} tokens for a prompt of {prompt.length} slots")
@@ -223,9 +238,10 @@ def _survivors(
     if plan is None or plan.stages != (config.layer,) or config.layer != n_scored - 1:
         raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
     queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, H, R, d]
-    attention = attention_rows(
+    local = attention_rows(
         queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.text_rows, plan.valid), parts.scaling
-    )  # [1, H, R, S]
+    )  # [1, h, R, S]: this rank's heads
+    attention = parts.every_head(local)  # [1, H, R, S]
     state = StageState.of_prompt(plan)
     sources = Sources(plan, state, config, hidden=output[None], attention=attention)
     outcome = run_stage(config.layer, sources, output[None])

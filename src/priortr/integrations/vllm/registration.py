@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from vllm import ModelRegistry
-from vllm.model_executor.models import llava, qwen2_5_vl, qwen2_vl
+from vllm.model_executor.models import llava, qwen2_5_vl, qwen2_vl, qwen3_vl
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from priortr.integrations.vllm.config_hooks import LinearRopeConfigHook, PruningConfigHook
-from priortr.integrations.vllm.models import PruningLlava, PruningQwen2_5_VL, PruningQwen2VL
+from priortr.integrations.vllm.config_hooks import (
+    DeepStackConfigHook,
+    LinearRopeConfigHook,
+    PruningConfigHook,
+    unserved_hook,
+)
+from priortr.integrations.vllm.models import PruningLlava, PruningQwen2_5_VL, PruningQwen2VL, PruningQwen3VL
 from priortr.integrations.vllm.processor import PruningProcessor
 
 
@@ -24,6 +29,10 @@ class Qwen2_5_VLProcessor(PruningProcessor, qwen2_5_vl.Qwen2_5_VLMultiModalProce
     """Qwen2.5-VL's processor, pruned requests cut to K placeholders per image."""
 
 
+class Qwen3VLProcessor(PruningProcessor, qwen3_vl.Qwen3VLMultiModalProcessor):
+    """Qwen3-VL's processor, pruned requests cut to K placeholders per image."""
+
+
 def llava_processor(info: object, dummy_inputs: object) -> object:
     """vLLM's LLaVA processor choice, with the pruning processor for LLaVA-1.5 (CLIP / SigLIP towers)."""
     if isinstance(info, llava.LlavaProcessingInfo):
@@ -35,7 +44,22 @@ FAMILIES = (
     ("LlavaForConditionalGeneration", PruningLlava, LinearRopeConfigHook),
     ("Qwen2VLForConditionalGeneration", PruningQwen2VL, PruningConfigHook),
     ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
+    ("Qwen3VLForConditionalGeneration", PruningQwen3VL, DeepStackConfigHook),
 )
+UNSERVED = (
+    "Qwen3VLMoeForConditionalGeneration",
+    "InternVLForConditionalGeneration",
+    "InternVLChatModel",
+    "Gemma3ForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
+)
+"""vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve: a config with
+``priortr`` settings is refused at engine start instead of being served unpruned (docs/serving.md)."""
 
 
 def register_all() -> None:
@@ -53,6 +77,11 @@ def register_all() -> None:
         info=qwen2_5_vl.Qwen2_5_VLProcessingInfo,
         dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
     )(PruningQwen2_5_VL)
+    MULTIMODAL_REGISTRY.register_processor(
+        Qwen3VLProcessor, info=qwen3_vl.Qwen3VLProcessingInfo, dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder
+    )(PruningQwen3VL)
     for architecture, model, hook in FAMILIES:
         ModelRegistry.register_model(architecture, model)
         MODELS_CONFIG_MAP[architecture] = hook
+    for architecture in UNSERVED:
+        MODELS_CONFIG_MAP[architecture] = unserved_hook(MODELS_CONFIG_MAP.get(architecture))

@@ -1,0 +1,150 @@
+"""Qwen3-VL (q/k norms, interleaved M-RoPE, DeepStack) served by vLLM with the plug-in, against
+priortr.apply + HF generate().
+
+The tiny checkpoint adds DeepStack features to the outputs of decoder layers 0 and 1, and the engine
+scores layer 1: the last injection lands on every visual token before the cut, as in ``apply``. One
+engine serves the module; negative controls drop the DeepStack features of the pruned prompt, and of
+the unpruned rows of a pruned step, and the answers must then differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from vllm import LLM, SamplingParams
+
+from priortr.integrations.vllm import models
+from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image
+
+SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
+TOKENS = 12
+ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
+TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
+TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_vl_dir):
+    engine = LLM(
+        model=str(qwen3_vl_dir),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        **ENGINE,
+    )
+    yield engine
+    del engine
+
+
+def request(prompt: str, images: list, budget: dict | None = None) -> dict:
+    out: dict = {"prompt": prompt}
+    if images:
+        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    if budget is not None:
+        out["mm_processor_kwargs"] = {"priortr": budget}
+    return out
+
+
+def settings_of(images: list, budget: dict | None) -> dict | None:
+    """priortr.apply's settings for a request: None where nothing is pruned."""
+    if not images or budget == {"enabled": False}:
+        return None
+    return {**SETTINGS, **(budget or {})}
+
+
+def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+
+
+CASES = [
+    (ONE, [image(128, 0)], None),
+    (TWO, [image(128, 1), image(64, 2)], None),  # 16 + 4 tokens: the budget splits 5 + 1
+    (TWO, [image(128, 3), image(128, 4)], {"budget": 10}),
+    (ONE, [image(128, 5)], {"enabled": False}),  # an unpruned image in a pruned step
+    (TEXT_ONLY, [], None),
+]
+
+
+def test_one_step_of_images_text_budgets_and_pruning_off(llm, qwen3_vl_dir):
+    assert llm.apply_model(type) == [models.PruningQwen3VL]
+    outs = generate(llm, CASES)
+    for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
+        expected = hf_tokens(qwen3_vl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        assert list(out.outputs[0].token_ids) == expected, index
+    assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 6, 12 + 10, 9 + 16, 9]
+    assert hf_tokens(qwen3_vl_dir, *CASES[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
+
+
+def test_requests_arriving_while_others_decode(llm, qwen3_vl_dir):
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    cases = [
+        (ONE, [image(128, 10)], None),
+        (TWO, [image(64, 11), image(128, 12)], {"budget": 4}),
+        (ONE, [image(128, 13)], {"enabled": False}),
+        (TEXT_ONLY, [], None),
+        (ONE, [image(64, 14)], {"budget": 2}),
+    ]
+    arrivals = {0: [0], 2: [1, 2], 5: [3, 4]}  # engine step -> requests added before it
+    results: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for index in arrivals.get(step, []):
+            engine.add_request(f"r{index}", request(*cases[index]), params)
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = list(output.outputs[0].token_ids)
+        step += 1
+    for index, (prompt, images, budget) in enumerate(cases):
+        expected = hf_tokens(qwen3_vl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        assert results[f"r{index}"] == expected, index
+
+
+def test_pruned_prompt_without_deepstack_is_caught(llm, qwen3_vl_dir, monkeypatch):
+    """Negative control: the pruned prompt's layers 0..L run without its DeepStack features (its encoder
+    rows cut to the embeddings); the answer must differ from apply's."""
+    original = models.prefill_prompt
+
+    def without_deepstack(prompt, inputs_embeds, *args, **kwargs):
+        width = inputs_embeds.shape[1]
+        images = [(column, rows[:, :width]) for column, rows in prompt.images]
+        return original(dataclasses.replace(prompt, images=images), inputs_embeds, *args, **kwargs)
+
+    monkeypatch.setattr(models, "prefill_prompt", without_deepstack)
+    case = CASES[0]
+    out = generate(llm, [case])[0]
+    assert list(out.outputs[0].token_ids) != hf_tokens(qwen3_vl_dir, *case[:2], SETTINGS, TOKENS)
+
+
+def test_unpruned_rows_without_deepstack_are_caught(llm, qwen3_vl_dir, monkeypatch):
+    """Negative control: in a step with a pruned prompt, the other rows (an unpruned image) get no
+    DeepStack features; that request's answer must differ from stock HF's."""
+    original = models.PruningQwen3VL._step_injections  # still run: it clears vLLM's buffer
+    monkeypatch.setattr(
+        models.PruningQwen3VL, "_step_injections", lambda self, rows: original(self, rows)[:0]
+    )
+    outs = generate(llm, [CASES[0], CASES[3]])
+    assert list(outs[1].outputs[0].token_ids) != hf_tokens(qwen3_vl_dir, *CASES[3][:2], None, TOKENS)
+
+
+def test_preemption_by_recompute_is_exact(qwen3_vl_dir):
+    """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 18-token prompts decoding 40
+    tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
+    engine = LLM(
+        model=str(qwen3_vl_dir),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
+        block_size=32,
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
+    )
+    cases = [(TWO, [image(128, 20 + i), image(64, 30 + i)]) for i in range(4)]
+    outs = generate(engine, cases, tokens=40)
+    stats = engine.llm_engine.get_metrics()
+    for (prompt, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_tokens(qwen3_vl_dir, prompt, images, SETTINGS, 40)
+    preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
+    assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
+    del engine
