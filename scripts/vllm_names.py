@@ -110,6 +110,24 @@ NAMES = [
     Name("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadata.query_start_loc"),
     Name("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadata.seq_lens"),
     Name("vllm.config.scheduler", "SchedulerConfig.enable_chunked_prefill"),
+    Name("vllm.config.scheduler", "SchedulerConfig.scheduler_cls"),
+    Name("vllm.config.scheduler", "SchedulerConfig.async_scheduling"),
+    Name("vllm.config.scheduler", "SchedulerConfig.max_num_batched_tokens"),
+    Name("vllm.config.scheduler", "SchedulerConfig.long_prefill_token_threshold"),
+    Name("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("vllm_config",)),
+    Name("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("request",)),
+    Name(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._try_schedule_encoder_inputs",
+        ("request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget"),
+    ),
+    Name("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
+    Name("vllm.v1.core.kv_cache_manager", "KVCacheManager.prefix_cache_lookup_enabled", ("request",)),
+    Name("vllm.v1.request", "Request.skip_reading_prefix_cache"),
+    Name("vllm.v1.request", "Request.num_prompt_tokens"),
+    Name("vllm.v1.request", "Request.mm_features"),
+    Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.data"),
+    Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.modality"),
     Name("vllm.config.cache", "CacheConfig.enable_prefix_caching"),
     Name("vllm.config.cache", "CacheConfig.kv_offloading_size"),
     Name("vllm.config.model", "ModelConfig.enforce_eager"),
@@ -175,7 +193,8 @@ class Source:
         return None
 
     def member(self, module: str, cls: ast.ClassDef, name: str) -> ast.AST | None:
-        """The method or field ``name`` of ``cls`` (defined in ``module``) or of a base inside vLLM."""
+        """The method or field ``name`` of ``cls`` (defined in ``module``) or of a base inside vLLM;
+        an attribute ``__init__`` assigns (``self.name = ...``) counts as a field."""
         for node in cls.body:
             if isinstance(node, ast.FunctionDef) and node.name == name:
                 return node
@@ -183,6 +202,13 @@ class Source:
                 return node
             if isinstance(node, ast.Assign) and any(_is(t, name) for t in node.targets):
                 return node
+        for node in cls.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                for statement in ast.walk(node):
+                    targets = [statement.target] if isinstance(statement, ast.AnnAssign) else []
+                    targets += statement.targets if isinstance(statement, ast.Assign) else []
+                    if any(_is_self(target, name) for target in targets):
+                        return statement
         for base in cls.bases:
             base_name = (
                 base.value.id
@@ -218,6 +244,10 @@ def _top_level(tree: ast.Module) -> list[ast.AST]:
 
 def _is(target: ast.AST, name: str) -> bool:
     return isinstance(target, ast.Name) and target.id == name
+
+
+def _is_self(target: ast.AST, name: str) -> bool:
+    return isinstance(target, ast.Attribute) and _is(target.value, "self") and target.attr == name
 
 
 def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:

@@ -23,8 +23,6 @@ ENGINE = {
     "enforce_eager": True,
     "dtype": "float32",
     "seed": 0,
-    "enable_chunked_prefill": False,
-    "enable_prefix_caching": False,
     "distributed_executor_backend": "uni",
 }
 

@@ -58,8 +58,6 @@ def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator
         "--max-model-len=256",
         "--max-num-batched-tokens=256",
         "--enforce-eager",
-        "--no-enable-chunked-prefill",
-        "--no-enable-prefix-caching",
         "--trust-request-mm-kwargs",  # per-request budgets ride in mm_processor_kwargs
         *extra,
     ]

@@ -4,6 +4,8 @@ under a tiny KV cache."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from vllm import LLM, SamplingParams
 
@@ -80,10 +82,13 @@ def test_one_image_kept_at_several_counts_in_flight(served):
     assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 5, 9 + 10, 9 + 4, 9 + 16, 12 + 6, 9]
 
 
-def test_preemption_by_recompute_is_exact(qwen_dir):
+@pytest.mark.parametrize("step", [96, 20], ids=["whole", "chunked"])
+def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 18-token prompts decoding 40
-    tokens each: vLLM preempts and later re-prefills prompt + generated tokens in one step; the scores
-    must use the prompt's rows only, as they did the first time."""
+    tokens each: vLLM preempts and later re-prefills prompt + generated tokens, in one step, or, with
+    steps of 20 tokens, the prompt and the first generated tokens in one step and the rest in the
+    next; the scores must use the prompt's rows only, as they did the first time. Prefix caching is
+    on: the re-prefill must not hit the request's own blocks either."""
     engine = LLM(
         model=str(qwen_dir),
         hf_overrides={"priortr": SETTINGS},
@@ -91,8 +96,19 @@ def test_preemption_by_recompute_is_exact(qwen_dir):
         num_gpu_blocks_override=4,
         disable_log_stats=False,
         block_size=32,
-        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": step},
     )
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    scheduled: dict[str, list[int]] = {}
+    schedule = scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for name, count in out.num_scheduled_tokens.items():
+            scheduled.setdefault(name, []).append(count)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
     cases = [(TWO, [image(112, 20 + i), image(56, 30 + i)]) for i in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs = engine.generate([request(*case) for case in cases], params, use_tqdm=False)
@@ -101,4 +117,6 @@ def test_preemption_by_recompute_is_exact(qwen_dir):
         assert list(out.outputs[0].token_ids) == hf_tokens(qwen_dir, prompt, images, SETTINGS, 40)
     preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
     assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
+    cut = [name for name, runs in scheduled.items() if any(a == step and b > 1 for a, b in pairwise(runs))]
+    assert bool(cut) == (step == 20)  # a re-prefill cut after its prompt, only where a step is short
     del engine

@@ -17,6 +17,8 @@ from priortr.integrations.vllm.config_hooks import (
     unserved_hook,
 )
 from priortr.integrations.vllm.decoder import check_backend
+from priortr.integrations.vllm.processor import STEP_LIMIT_KEY
+from priortr.integrations.vllm.scheduler import PruningScheduler
 from priortr.integrations.vllm.settings import (
     RequestPolicy,
     check_request_kwargs,
@@ -35,8 +37,6 @@ def config_of(model_dir, **overrides):
         "max_model_len": 256,
         "max_num_batched_tokens": 256,
         "enforce_eager": True,
-        "enable_chunked_prefill": False,
-        "enable_prefix_caching": False,
         "hf_overrides": {"priortr": {"method": "fastv", "budget": 4}},
         **overrides,
     }
@@ -67,16 +67,27 @@ def test_compiled_and_parallel_settings_start(llava_dir, setting):
     config_of(llava_dir, **setting)
 
 
-@pytest.mark.parametrize(
-    ("setting", "flag"),
-    [
-        ({"enable_chunked_prefill": True}, "--no-enable-chunked-prefill"),
-        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
-    ],
-)
-def test_conflicting_engine_settings_are_refused(llava_dir, setting, flag):
-    with pytest.raises(ValueError, match=flag):
-        config_of(llava_dir, **setting)
+def test_prefix_caching_and_chunked_prefill_start_with_the_plug_ins_scheduler(llava_dir):
+    """vLLM's defaults (both on) start, scheduled by PruningScheduler, and the processor learns the
+    longest prompt a step holds; a stock model keeps vLLM's scheduler."""
+    config = config_of(llava_dir)
+    assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.get_scheduler_cls() is PruningScheduler
+    assert getattr(config.model_config.hf_config, STEP_LIMIT_KEY) == 256
+    limited = config_of(llava_dir, long_prefill_token_threshold=100)
+    assert getattr(limited.model_config.hf_config, STEP_LIMIT_KEY) == 100
+    assert config_of(llava_dir, hf_overrides={}).scheduler_config.scheduler_cls is None
+
+
+def test_another_scheduler_is_refused_while_it_could_split_a_pruned_prompt(llava_dir):
+    """A scheduler of the user's own would not keep a pruned prompt whole and off the prefix cache;
+    with both features off it is the user's choice (and the negative control of the refusal)."""
+    ours = "vllm.v1.core.sched.scheduler.Scheduler"
+    for features in [{}, {"enable_prefix_caching": False}, {"enable_chunked_prefill": False}]:
+        with pytest.raises(ValueError, match=r"scheduler class .* drop --scheduler-cls"):
+            config_of(llava_dir, scheduler_cls=ours, **features)
+    off = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
+    assert config_of(llava_dir, scheduler_cls=ours, **off).scheduler_config.scheduler_cls == ours
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,12 @@
-"""Engine settings a pruning model cannot serve exactly, refused when the engine starts.
+"""Engine settings a pruning model cannot serve exactly, refused when the engine starts, and the
+scheduler it is served with.
 
 vLLM calls a model architecture's config hook (``MODELS_CONFIG_MAP``) while it builds its config;
 these hooks act only when the model config carries ``priortr`` settings. Each refusal names the
-setting to change: a garbled answer is never an option.
+setting to change: a garbled answer is never an option. An engine that starts is given the plug-in's
+scheduler (``scheduler.py``: a pruned prompt whole in one step and off the prefix cache, so prefix
+caching and chunked prefill stay on), and its model config the longest prompt one step holds, which
+the processor checks pruned prompts against.
 
 Compiled models and CUDA graphs are served where every step with a pruned prompt still calls the
 model's Python ``forward`` (docs/serving.md, Compiled models and CUDA graphs): vLLM compiles the
@@ -20,26 +24,37 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
-from priortr.integrations.vllm.processor import served_config
+from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, served_config
 from priortr.integrations.vllm.settings import SETTINGS_KEY
 
+SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
+"""The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
+where it schedules, not in every process that reads the config."""
 LINEAR_ROPE_CHANNELS = [1, 1, 1]
 """A 3-channel M-RoPE layout declared on a 1-D RoPE model's top-level config, so that vLLM keeps
 per-request positions for it (``positions.py``); its language model still builds plain RoPE."""
 
 
+def step_limit(scheduler_config: Any) -> int:
+    """The longest prompt vLLM schedules in one step: ``max_num_batched_tokens``, or a positive
+    ``long_prefill_token_threshold`` below it (vLLM cuts a longer prefill to it whenever another
+    request waits or runs). A pruned prompt must fit (``scheduler.py``)."""
+    limit = scheduler_config.max_num_batched_tokens
+    threshold = scheduler_config.long_prefill_token_threshold
+    return min(limit, threshold) if threshold > 0 else limit
+
+
 def refusals(vllm_config: Any) -> list[str]:
     """What in ``vllm_config`` a pruning model cannot serve exactly, one line per setting."""
     out = []
-    if vllm_config.scheduler_config.enable_chunked_prefill:
+    scheduler = vllm_config.scheduler_config
+    features = vllm_config.cache_config.enable_prefix_caching or scheduler.enable_chunked_prefill
+    if scheduler.scheduler_cls not in (None, SCHEDULER) and features:
         out.append(
-            "chunked prefill: layer L scores the whole prompt in one step; pass "
-            "--no-enable-chunked-prefill (LLM(enable_chunked_prefill=False))"
-        )
-    if vllm_config.cache_config.enable_prefix_caching:
-        out.append(
-            "prefix caching: a cached prefix would skip layers 0..L and hold another request's kept "
-            "tokens; pass --no-enable-prefix-caching (LLM(enable_prefix_caching=False))"
+            f"scheduler class {scheduler.scheduler_cls}: with prefix caching or chunked prefill on, a "
+            "pruned prompt must be scheduled whole and off the prefix cache, which the plug-in's "
+            "scheduler does; drop --scheduler-cls, or pass --no-enable-prefix-caching "
+            "--no-enable-chunked-prefill"
         )
     out += compiled_refusals(vllm_config)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
@@ -118,7 +133,8 @@ def compiled_refusals(vllm_config: Any) -> list[str]:
 
 
 class PruningConfigHook(VerifyAndUpdateConfig):
-    """Refuse what cannot be served exactly; give a 1-D RoPE model per-request positions."""
+    """Refuse what cannot be served exactly; serve with the plug-in's scheduler; give a 1-D RoPE
+    model per-request positions."""
 
     linear_rope = False
 
@@ -137,6 +153,10 @@ class PruningConfigHook(VerifyAndUpdateConfig):
             raise ValueError(
                 "priortr cannot prune exactly with these vLLM settings:\n- " + "\n- ".join(problems)
             )
+        scheduler = vllm_config.scheduler_config
+        if scheduler.scheduler_cls is None:
+            scheduler.scheduler_cls = SCHEDULER
+        setattr(vllm_config.model_config.hf_config, STEP_LIMIT_KEY, step_limit(scheduler))
 
 
 class LinearRopeConfigHook(PruningConfigHook):

@@ -5,10 +5,12 @@ Each class is vLLM's own model class with four hooks. A model config without ``p
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
 the plug-in's code. The hooks:
 
-* ``embed_multimodal``: each image's N encoder rows travel as one row of N * D values, so vLLM's
-  encoder cache holds the whole image whatever K the prompt laid out for it (the cache is keyed by the
-  image, not by the request, and K depends on the request);
-* ``embed_input_ids``: unpacks them; an image that keeps all N is merged as vLLM merges it;
+* ``embed_multimodal``: each pruned image's N encoder rows travel as one row of N * D values, so
+  vLLM's encoder cache holds the whole image whatever K the prompt laid out for it (the cache is keyed
+  by the image, not by the request, and K depends on the request); an unpruned image's rows stay as
+  vLLM lays them out;
+* ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
+  as vLLM merges it;
 * ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); LLaVA is
   given vLLM's per-request M-RoPE bookkeeping for this, its layers still get 1-D positions;
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
@@ -98,9 +100,15 @@ class PruningModel:
         self._text = TextModel(self, self.priortr.layer)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
-        kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions, not by the encoder
+        """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
+        fields, and only theirs carry the prompt length) packed as [1, N * D] each. Other images
+        stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a
+        chunk boundary may fall inside an unpruned image."""
+        pruned = kwargs.pop(PROMPT_LENGTH_KEY, None) is not None  # read by get_mrope_input_positions
         embeddings = super().embed_multimodal(**kwargs)
-        return [image.reshape(1, -1) for image in embeddings]  # [1, N * D] per image
+        if not pruned:
+            return embeddings
+        return [image.reshape(1, -1) for image in embeddings]
 
     def embed_input_ids(
         self,
@@ -113,7 +121,7 @@ class PruningModel:
         if not multimodal_embeddings:
             return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
         width = self._encoder_width()
-        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, W] each
+        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, W] or the step's [n, W]
         images, runs = [], iter(image_runs(is_multimodal))
         row, end = next(runs)
         for embeddings in items:

@@ -36,8 +36,10 @@ from priortr.integrations.vllm.positions import image_positions
 
 @dataclass(frozen=True)
 class StepImage:
-    """An image scheduled in this step: the batch row of its first placeholder, its placeholder count
-    K and its N encoder rows [N, D * (1 + J)] (the embeddings, then J DeepStack features; see above)."""
+    """An image scheduled in this step: the batch row of its first placeholder in the step, its
+    placeholders in the step and its encoder rows [., D * (1 + J)] (the embeddings, then J DeepStack
+    features; see above): a pruned image's N (K placeholders), an unpruned image's rows for its
+    placeholders in the step."""
 
     row: int
     kept: int
@@ -107,12 +109,13 @@ def plan_step(
             pending = next(images, None)
         if not any(image.pruned for image in own):
             continue
-        if seq_lens[request] != end - start:
+        length = positions[0][own[0].row]  # the record: (prompt length, grid height, grid width)
+        if seq_lens[request] != end - start or end - start < length:
             raise RuntimeError(
-                "priortr: a pruned prompt was scheduled in pieces (chunked prefill or a prefix-cache hit); "
-                "the engine should have refused these settings"
+                "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
+                "the plug-in's scheduler (PruningScheduler) never does; is another --scheduler-cls set?"
             )
-        prompts.append(_plan_prompt(step, positions, start, own, image_token, linear))
+        prompts.append(_plan_prompt(step, positions, start, length, own, image_token, linear))
     return prompts
 
 
@@ -120,12 +123,13 @@ def _plan_prompt(
     step: StepInputs,
     positions: list[list[int]],
     start: int,
+    length: int,
     images: list[StepImage],
     image_token: int,
     linear: bool,
 ) -> PrunedPrompt:
-    """One pruned request's full prompt, read back from its scheduled rows and their records."""
-    length = positions[0][images[0].row]  # the record: (prompt length, grid height, grid width)
+    """One pruned request's full prompt of ``length`` tokens, read back from its scheduled rows and
+    their records."""
     token_ids: list[int] = []
     columns: list[torch.Tensor] = []
     text_columns: list[int] = []

@@ -36,6 +36,9 @@ from priortr.integrations.vllm.settings import (
 PROMPT_LENGTH_KEY = "priortr_prompt_length"
 """The field of a pruned request's image items that holds the length of the request's scheduled
 prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
+STEP_LIMIT_KEY = "priortr_step_tokens"
+"""The model config's attribute holding the longest prompt the engine schedules in one step, set by
+the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
 
 
 def served_config(hf_config: Any) -> PruningConfig | None:
@@ -120,6 +123,7 @@ class PruningProcessor:
         length = len(laid_out["prompt_token_ids"]) - sum(
             span.length - kept for span, kept in zip(images, counts, strict=True)
         )
+        check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
         identities = [
             f"{image_hash}:priortr-kept-{kept}-prompt-{length}"
             for image_hash, kept in zip(laid_out["mm_hashes"]["image"], counts, strict=True)
@@ -135,6 +139,19 @@ class PruningProcessor:
             "mm_placeholders": {**placeholders, "image": ranges},
             "mm_kwargs": type(out["mm_kwargs"])({**out["mm_kwargs"], "image": items}),
         }
+
+
+def check_step_limit(length: int, limit: int | None) -> None:
+    """Refuse a pruned prompt of ``length`` tokens (K placeholders per image) that the engine cannot
+    schedule in one step (``limit``, None where no config hook ran): its prefill is one step
+    (``scheduler.py``), so it would wait forever."""
+    if limit is not None and length > limit:
+        raise ValueError(
+            f"priortr prunes a prompt in one engine step, and this pruned prompt is {length} tokens where "
+            f"a step holds {limit} (--max-num-batched-tokens, or a lower --long-prefill-token-threshold); "
+            "raise --max-num-batched-tokens, ask for a smaller budget, or send the request with "
+            f'mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
 
 
 def with_prompt_length(item: MultiModalKwargsItem | None, length: int) -> MultiModalKwargsItem | None:
