@@ -32,6 +32,17 @@ def image(size: int, seed: int) -> Image.Image:
     return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8"))
 
 
+def vllm_request(prompt: str, images: list[Image.Image], budget: dict | None = None) -> dict:
+    """vLLM's prompt dict for ``prompt`` with its images (one or several) and, unless None, the
+    request's ``priortr`` setting."""
+    out: dict = {"prompt": prompt}
+    if images:
+        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    if budget is not None:
+        out["mm_processor_kwargs"] = {"priortr": budget}
+    return out
+
+
 @cache
 def _model(path: str) -> tuple[Any, Any]:
     processor = AutoProcessor.from_pretrained(path)

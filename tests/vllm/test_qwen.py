@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 from vllm import LLM, SamplingParams
 
-from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image
+from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
 TOKENS = 12
@@ -31,15 +31,6 @@ def served(request):
     del engine
 
 
-def request(prompt: str, images: list, budget: dict | None = None) -> dict:
-    out: dict = {"prompt": prompt}
-    if images:
-        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
-    if budget is not None:
-        out["mm_processor_kwargs"] = {"priortr": budget}
-    return out
-
-
 def test_one_and_two_images_with_per_request_budgets(served):
     path, llm = served
     cases = [
@@ -49,7 +40,7 @@ def test_one_and_two_images_with_per_request_budgets(served):
         (ONE, [image(112, 5)], {"enabled": False}),
     ]
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+    outs = llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
     for (prompt, images, budget), out in zip(cases, outs, strict=True):
         settings = None if budget == {"enabled": False} else {**SETTINGS, **(budget or {})}
         assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, settings, TOKENS)
@@ -74,7 +65,7 @@ def test_one_image_kept_at_several_counts_in_flight(served):
         ("USER: what is the color of the cat ASSISTANT:", [], None),
     ]
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+    outs = llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
     for index, ((prompt, images, budget), out) in enumerate(zip(cases, outs, strict=True)):
         pruned = images and budget != {"enabled": False}
         settings = {**SETTINGS, **(budget or {})} if pruned else None
@@ -111,7 +102,7 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     monkeypatch.setattr(scheduler, "schedule", recording)
     cases = [(TWO, [image(112, 20 + i), image(56, 30 + i)]) for i in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outs = engine.generate([request(*case) for case in cases], params, use_tqdm=False)
+    outs = engine.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
     stats = engine.llm_engine.get_metrics()
     for (prompt, images), out in zip(cases, outs, strict=True):
         assert list(out.outputs[0].token_ids) == hf_tokens(qwen_dir, prompt, images, SETTINGS, 40)

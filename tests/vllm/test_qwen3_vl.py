@@ -15,7 +15,7 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models
-from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image
+from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
 TOKENS = 12
@@ -36,15 +36,6 @@ def llm(qwen3_vl_dir):
     del engine
 
 
-def request(prompt: str, images: list, budget: dict | None = None) -> dict:
-    out: dict = {"prompt": prompt}
-    if images:
-        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
-    if budget is not None:
-        out["mm_processor_kwargs"] = {"priortr": budget}
-    return out
-
-
 def settings_of(images: list, budget: dict | None) -> dict | None:
     """priortr.apply's settings for a request: None where nothing is pruned."""
     if not images or budget == {"enabled": False}:
@@ -54,7 +45,7 @@ def settings_of(images: list, budget: dict | None) -> dict | None:
 
 def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([request(*case) for case in cases], params, use_tqdm=False)
+    return llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
 
 
 CASES = [
@@ -91,7 +82,7 @@ def test_requests_arriving_while_others_decode(llm, qwen3_vl_dir):
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for index in arrivals.get(step, []):
-            engine.add_request(f"r{index}", request(*cases[index]), params)
+            engine.add_request(f"r{index}", vllm_request(*cases[index]), params)
         for output in engine.step():
             if output.finished:
                 results[output.request_id] = list(output.outputs[0].token_ids)
