@@ -36,17 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
-FIRST_UNDER_XDIST = ("tests/testbed/",)
-"""Folders whose modules run longest (the testbed's accuracy check runs SmolLM2-135M over ~100
-questions): under pytest-xdist they are handed out first, so that the run does not end with one
-worker, on its share of the cores, still in them while the others stand idle."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not item.nodeid.startswith(FIRST_UNDER_XDIST))
-
-
 class TinyModels(dict):
     """Each family's tiny float64 model (``tests.helpers.families.FAMILIES``), built on first use."""
 
