@@ -16,7 +16,7 @@ from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import scheduler
 from tests.helpers.checkpoint import WORDS
-from tests.vllm.reference import ENGINE, hf_tokens, image
+from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
 TOKENS = 8
@@ -54,12 +54,8 @@ def llm(llava_dir):
 
 
 def request(text: str, seed: int | None, budget: dict | None = None) -> dict:
-    out: dict = {"prompt": text}
-    if seed is not None:
-        out["multi_modal_data"] = {"image": image(28, seed)}
-    if budget is not None:
-        out["mm_processor_kwargs"] = {"priortr": budget}
-    return out
+    """``text`` with one 28 x 28 image drawn from ``seed`` (none for None)."""
+    return vllm_request(text, [] if seed is None else [image(28, seed)], budget)
 
 
 def expected(llava_dir, case: dict, pruned: bool) -> list[int]:

@@ -20,7 +20,7 @@ from vllm.config.compilation import CompilationMode
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 
 from priortr.integrations.vllm import models
-from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
+from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
 N_LAYERS = 4
@@ -40,14 +40,8 @@ def llm(llava_dir):
 
 def request(index: int, budget: dict | None) -> dict:
     if index == 4:
-        return {"prompt": TEXT_ONLY}
-    out = {
-        "prompt": LLAVA_PROMPT.format(QUESTIONS[index % 3]),
-        "multi_modal_data": {"image": image(28, 40 + index)},
-    }
-    if budget is not None:
-        out["mm_processor_kwargs"] = {"priortr": budget}
-    return out
+        return vllm_request(TEXT_ONLY, [])
+    return vllm_request(LLAVA_PROMPT.format(QUESTIONS[index % 3]), [image(28, 40 + index)], budget)
 
 
 def expected(llava_dir, index: int, budget: dict | None) -> list[int]:
