@@ -47,8 +47,15 @@ SERVED = [
         "InternS1ProcessingInfo",
         "InternS1",
     ),
+    (
+        "llava_onevision",
+        "LlavaOnevisionForConditionalGeneration",
+        "LlavaOnevisionMultiModalProcessor",
+        "LlavaOnevisionProcessingInfo",
+        "LlavaOnevision",
+    ),
 ]
-LINEAR_ROPE = ("llava", "interns1")
+LINEAR_ROPE = ("llava", "interns1", "llava_onevision")
 """Served modules of 1-D RoPE models, which have no ``get_mrope_input_positions`` of their own."""
 
 
@@ -159,6 +166,7 @@ NAMES = [
     Name("vllm.config.multimodal", "MultiModalConfig.mm_processor_cache_type"),
     Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
     Name(f"{MODELS}.interns1", "InternS1ForConditionalGeneration.num_image_token"),
+    Name(f"{MODELS}.llava_onevision", "LlavaOnevisionForConditionalGeneration.config"),
     Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.mm_position"),
     Name(
         f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._get_deepstack_input_embeds", ("num_tokens",)

@@ -22,6 +22,11 @@ from transformers import (
     InternVLForConditionalGeneration,
     InternVLProcessor,
     InternVLVideoProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLProcessor,
     Qwen2Config,
@@ -209,6 +214,70 @@ def internvl(path: str | Path, text_model: str = "qwen2") -> Path:
     )
     processor.save_pretrained(path)
     _widen(path, seed=6 if text_model == "qwen2" else 7)
+    return path
+
+
+ONEVISION_CROP, ONEVISION_PATCH = 28, 7  # 4x4 patches per crop
+ONEVISION_IMAGE_ID, ONEVISION_VIDEO_ID = 199, 198
+
+
+def llava_onevision(path: str | Path) -> Path:
+    """LLaVA-OneVision: a 2-layer SigLIP (head_dim 32, 28-px crops of 4x4 patches, no [CLS]) and a 4-layer
+    head_dim-32 Qwen2; AnyRes pinpoints of 1..3 x 1..3 crops and ``anyres_max_9`` (vLLM counts an
+    image's tokens with 9): a 28x28 image is its base crop (16) + one 4x4 crop with 4 newlines (36
+    tokens), 56x28 (w x h) 16 + 4x8 + 4 (52)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vision = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": ONEVISION_CROP,
+        "patch_size": ONEVISION_PATCH,
+        "vision_use_head": False,
+    }
+    text = Qwen2Config(
+        **TEXT,
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    pinpoints = [[ONEVISION_CROP * i, ONEVISION_CROP * j] for i in (1, 2, 3) for j in (1, 2, 3)]
+    config = LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **vision},
+        text_config=text,
+        image_token_id=ONEVISION_IMAGE_ID,
+        video_token_id=ONEVISION_VIDEO_ID,
+        image_grid_pinpoints=pinpoints,
+        vision_aspect_ratio="anyres_max_9",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlavaOnevisionForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    crop = {"height": ONEVISION_CROP, "width": ONEVISION_CROP}
+    special = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": 3, "\n": 4}
+    special |= {"<image>": ONEVISION_IMAGE_ID, "<video>": ONEVISION_VIDEO_ID}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessorPil(size=crop, image_grid_pinpoints=pinpoints),
+        tokenizer=_word_tokenizer(special, {"image_token": "<image>", "video_token": "<video>"}),
+        video_processor=LlavaOnevisionVideoProcessor(size=crop),
+        num_image_tokens=(ONEVISION_CROP // ONEVISION_PATCH) ** 2,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9",
+        chat_template=QWEN_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=8, vision=("mlp", "self_attn"), clip_names=True)
     return path
 
 

@@ -1,5 +1,5 @@
-"""LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL as vLLM serves them, pruning visual tokens
-after decoder layer L.
+"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL as vLLM serves them, pruning
+visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -13,9 +13,9 @@ the plug-in's code. The hooks:
   as vLLM merges it. An image is the run of placeholders that take its embeddings (vLLM's
   ``is_multimodal`` rows); tokens of its placeholder range outside that run (InternVL's ``<img>`` and
   ``</img>``) are text rows;
-* ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); LLaVA and
-  InternVL are given vLLM's per-request M-RoPE bookkeeping for this, their layers still get 1-D
-  positions;
+* ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); the 1-D
+  RoPE families (LLaVA, LLaVA-OneVision, InternVL) are given vLLM's per-request M-RoPE bookkeeping for
+  this, their layers still get 1-D positions;
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from vllm.model_executor.models.interns1 import InternS1ForConditionalGeneration
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.llava_onevision import LlavaOnevisionForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -300,6 +301,37 @@ class PruningInternVL(PruningModel, InternS1ForConditionalGeneration):
                 'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
             )
         tokens = int(feature.data["image_num_patches"].data) * self.num_image_token
+        return ImageSlots(offset, kept, tokens, (1, tokens))
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        return linear_positions(prompt, starts)
+
+
+class PruningLlavaOnevision(PruningModel, LlavaOnevisionForConditionalGeneration):
+    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA).
+
+    vLLM lays out an image as one run of N ``<image>`` placeholders: its base crop, then its AnyRes tile
+    grid unpadded to the image's aspect ratio with a learned newline feature after every grid row, as
+    the encoder packs them; the newline rows are visual tokens of the run, pruned like the others, as
+    ``priortr.apply`` prunes them (``priortr.adapters.llava_next``), whose ``anyres_tokens`` gives N."""
+
+    supports_mrope = True
+    linear_rope = True
+    stock = LlavaOnevisionForConditionalGeneration
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        offset, kept = embedded_run(feature.mm_position)
+        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
+            return ImageSlots(offset, kept, kept, (1, kept))
+        if "image_sizes" not in feature.data:
+            raise ValueError(
+                "priortr prunes LLaVA-OneVision images given as pixels, whose size comes with them; send "
+                'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
+            )
+        height, width = feature.data["image_sizes"].data.tolist()
+        tokens = self._adapter.anyres_tokens(self.config, height, width)
         return ImageSlots(offset, kept, tokens, (1, tokens))
 
     def _full_positions(

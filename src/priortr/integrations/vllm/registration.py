@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm import ModelRegistry
-from vllm.model_executor.models import interns1, llava, qwen2_5_vl, qwen2_vl, qwen3_vl
+from vllm.model_executor.models import interns1, llava, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -16,6 +16,7 @@ from priortr.integrations.vllm.config_hooks import (
 from priortr.integrations.vllm.models import (
     PruningInternVL,
     PruningLlava,
+    PruningLlavaOnevision,
     PruningQwen2_5_VL,
     PruningQwen2VL,
     PruningQwen3VL,
@@ -44,6 +45,10 @@ class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
     ``<IMG_CONTEXT>`` placeholders per image between its ``<img>`` and ``</img>``."""
 
 
+class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
+    """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image."""
+
+
 def llava_processor(info: object, dummy_inputs: object) -> object:
     """vLLM's LLaVA processor choice, with the pruning processor for LLaVA-1.5 (CLIP / SigLIP towers)."""
     if isinstance(info, llava.LlavaProcessingInfo):
@@ -57,6 +62,7 @@ FAMILIES = (
     ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
     ("Qwen3VLForConditionalGeneration", PruningQwen3VL, DeepStackConfigHook),
     ("InternVLForConditionalGeneration", PruningInternVL, LinearRopeConfigHook),
+    ("LlavaOnevisionForConditionalGeneration", PruningLlavaOnevision, LinearRopeConfigHook),
 )
 NOT_YET = "no plug-in class wraps its vLLM model yet"
 UNSERVED = {
@@ -69,7 +75,6 @@ UNSERVED = {
     ),
     "Gemma3ForConditionalGeneration": NOT_YET,
     "LlavaNextForConditionalGeneration": NOT_YET,
-    "LlavaOnevisionForConditionalGeneration": NOT_YET,
     "Mistral3ForConditionalGeneration": NOT_YET,
     "Idefics3ForConditionalGeneration": NOT_YET,
     "Glm4vForConditionalGeneration": NOT_YET,
@@ -103,6 +108,11 @@ def register_all() -> None:
         info=interns1.InternS1ProcessingInfo,
         dummy_inputs=interns1.InternS1DummyInputsBuilder,
     )(PruningInternVL)
+    MULTIMODAL_REGISTRY.register_processor(
+        LlavaOnevisionProcessor,
+        info=llava_onevision.LlavaOnevisionProcessingInfo,
+        dummy_inputs=llava_onevision.LlavaOnevisionDummyInputsBuilder,
+    )(PruningLlavaOnevision)
     for architecture, model, hook in FAMILIES:
         ModelRegistry.register_model(architecture, model)
         MODELS_CONFIG_MAP[architecture] = hook
