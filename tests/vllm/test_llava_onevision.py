@@ -3,9 +3,7 @@ plug-in, against priortr.apply + HF generate().
 
 The tiny checkpoint's crops are 28 px and 16 tokens: a 28x28 image is 36 tokens (base crop 16, one
 4x4 crop and 4 newlines), 56x28 is 52 (a 4x8 grid), 56x56 is 88 (8x8 and 8 newlines). The newline
-rows are visual tokens of the image's run, pruned like the others. One image per prompt: for several
-images in one prompt vLLM lays out each image in AnyRes where Hugging Face's processor gives each its
-base crop and one newline, so the two differ before any pruning.
+rows are visual tokens of the image's run, pruned like the others.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
 TOKENS = 12
 ONE = "USER: <image> what is in the image ASSISTANT:"  # 7 text tokens
+TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
 TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
 
 
@@ -27,7 +26,7 @@ def llm(onevision_dir):
     engine = LLM(
         model=str(onevision_dir),
         hf_overrides={"priortr": SETTINGS},
-        limit_mm_per_prompt={"image": 1, "video": 0},
+        limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
     yield engine
@@ -48,7 +47,7 @@ def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
 CASES = [
     (ONE, [image(56, 0, height=28)], None),
     (ONE, [image(56, 1)], {"budget": 12}),
-    (ONE, [image(28, 2)], None),
+    (TWO, [image(56, 2, height=28), image(28, 6)], None),  # 52 + 36 tokens share the budget of 8
     (ONE, [image(56, 3, height=28)], {"enabled": False}),  # an unpruned image in a pruned step
     (TEXT_ONLY, [], None),
 ]
@@ -60,7 +59,7 @@ def test_one_step_of_images_text_budgets_and_pruning_off(llm, onevision_dir):
     for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
         expected = hf_tokens(onevision_dir, prompt, images, settings_of(images, budget), TOKENS)
         assert list(out.outputs[0].token_ids) == expected, index
-    assert [len(out.prompt_token_ids) for out in outs] == [7 + 8, 7 + 12, 7 + 8, 7 + 52, 9]
+    assert [len(out.prompt_token_ids) for out in outs] == [7 + 8, 7 + 12, 8 + 8, 7 + 52, 9]
     for case, out in zip(CASES[:3], outs[:3], strict=True):  # pruning changed the answers
         assert hf_tokens(onevision_dir, *case[:2], None, TOKENS) != list(out.outputs[0].token_ids)
 
@@ -145,3 +144,12 @@ def test_preemption_by_recompute_is_exact(onevision_dir):
     preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
     assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
     del engine
+
+
+def test_adjacent_images_are_refused(llm):
+    """Two images with no text between them (as the llava-hf chat template writes a message's images)
+    are one run of placeholders, which priortr.apply prunes as one item; vLLM lays out two, so a pruned
+    request is refused with the fix, not pruned at the wrong boundaries."""
+    adjacent = "USER: <image><image> what is in the image ASSISTANT:"
+    with pytest.raises(ValueError, match="put text between images"):
+        generate(llm, [(adjacent, [image(28, 7), image(28, 8)], None)])
