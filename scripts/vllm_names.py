@@ -40,7 +40,23 @@ SERVED = [
         "Qwen3VLProcessingInfo",
         "Qwen3VL",
     ),
+    (
+        "interns1",
+        "InternS1ForConditionalGeneration",
+        "InternS1MultiModalProcessor",
+        "InternS1ProcessingInfo",
+        "InternS1",
+    ),
+    (
+        "llava_onevision",
+        "LlavaOnevisionForConditionalGeneration",
+        "LlavaOnevisionMultiModalProcessor",
+        "LlavaOnevisionProcessingInfo",
+        "LlavaOnevision",
+    ),
 ]
+LINEAR_ROPE = ("llava", "interns1", "llava_onevision")
+"""Served modules of 1-D RoPE models, which have no ``get_mrope_input_positions`` of their own."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +79,13 @@ def _served() -> list[Name]:
             Name(
                 path, f"{model}.forward", ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
             ),
-            Name(path, f"{processor}._call_hf_processor", ("hf_data", "hf_kwargs")),
+            Name(path, f"{processor}._apply_hf_processor_main", ("mm_items", "hf_kwargs")),
             Name(path, f"{processor}.apply", ("inputs", "timing_ctx")),
             Name(path, f"{processor}.get_dummy_inputs"),
             Name(path, info),
             Name(path, f"{prefix}DummyInputsBuilder"),
         ]
-        if module != "llava":
+        if module not in LINEAR_ROPE:
             names.append(Name(path, f"{model}.get_mrope_input_positions", ("input_tokens", "mm_features")))
     return names
 
@@ -149,6 +165,9 @@ NAMES = [
     Name("vllm.config.multimodal", "MultiModalConfig.video_pruning_rate"),
     Name("vllm.config.multimodal", "MultiModalConfig.mm_processor_cache_type"),
     Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
+    Name(f"{MODELS}.interns1", "InternS1ForConditionalGeneration.num_image_token"),
+    Name(f"{MODELS}.llava_onevision", "LlavaOnevisionForConditionalGeneration.config"),
+    Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.mm_position"),
     Name(
         f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._get_deepstack_input_embeds", ("num_tokens",)
     ),

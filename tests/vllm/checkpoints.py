@@ -1,5 +1,5 @@
-"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints that vLLM's CPU build can
-load, built offline.
+"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL checkpoints that vLLM's CPU
+build can load, built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -17,11 +17,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    GotOcr2ImageProcessorPil,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLProcessor,
+    InternVLVideoProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLProcessor,
+    Qwen2Config,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3Config,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -39,6 +51,7 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
+from tests.helpers.tiny_internvl_smolvlm import INTERNVL_END_ID, INTERNVL_IMAGE_ID, INTERNVL_START_ID
 from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -59,11 +72,11 @@ QWEN_TEMPLATE = (
 )
 
 
-def _widen(path: Path, seed: int, vision: tuple[str, ...] = ()) -> None:
+def _widen(path: Path, seed: int, vision: tuple[str, ...] = (), clip_names: bool = False) -> None:
     """Redraw the language model's and projector's matrices with std ``WEIGHT_STD`` (norms untouched),
-    and the vision tower's whose names hold one of ``vision``, and name a CLIP tower's weights as the
-    llava-hf checkpoints do (``vision_tower.vision_model.*``, which vLLM's loader expects and
-    transformers reads too)."""
+    and the vision tower's whose names hold one of ``vision``; ``clip_names``: name a CLIP tower's
+    weights as the llava-hf checkpoints do (``vision_tower.vision_model.*``, which vLLM's loader expects
+    and transformers reads too)."""
     file = path / "model.safetensors"
     weights = load_file(file)
     generator = torch.Generator().manual_seed(seed)
@@ -72,7 +85,8 @@ def _widen(path: Path, seed: int, vision: tuple[str, ...] = ()) -> None:
         tower = "vision_tower" in name or "visual" in name
         if value.ndim == 2 and (not tower or any(part in name for part in vision)):
             value = torch.randn(value.shape, generator=generator) * WEIGHT_STD
-        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        clip = name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model.")
+        if clip_names and clip:
             name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
         out[name] = value
     save_file(out, file, metadata={"format": "pt"})
@@ -86,7 +100,7 @@ def llava(path: str | Path) -> Path:
         path = checkpoint.save_tiny_llava_checkpoint(path)
     finally:
         checkpoint.tiny_llava = original
-    _widen(path, seed=1)
+    _widen(path, seed=1, clip_names=True)
     return path
 
 
@@ -130,6 +144,163 @@ def qwen3_vl_moe(path: str | Path) -> Path:
         text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
         video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
     )
+
+
+INTERNVL_TILE, INTERNVL_PATCH = 56, 7
+INTERNVL_TILE_TOKENS = (INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2  # 8x8 patches, 2x2 pixel shuffle: 16
+INTERNVL_VIDEO_ID = 196
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<IMG_CONTEXT>\n{% endif %}"
+    "{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+)
+
+
+def internvl(path: str | Path, text_model: str = "qwen2") -> Path:
+    """InternVL in the Hugging Face format (``InternVLForConditionalGeneration``): a 2-layer InternViT
+    (head_dim 32) and a 4-layer head_dim-32 Qwen2 (InternVL 2.5 / 3; ``text_model="qwen3"``: Qwen3, with
+    q/k norms, as InternVL3.5); tiles of 56 px, 16 visual tokens each, up to 4 crops and a thumbnail per
+    image: a 56x56 image is one tile (16 tokens), 112x56 two crops and the thumbnail (48 tokens),
+    112x112 four crops and the thumbnail (80 tokens)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vision = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": INTERNVL_TILE,
+        "patch_size": INTERNVL_PATCH,
+    }
+    text_settings = {
+        **TEXT,
+        "vocab_size": VOCAB,
+        "num_hidden_layers": 4,
+        "max_position_embeddings": 512,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "tie_word_embeddings": False,
+    }
+    if text_model == "qwen3":
+        text = Qwen3Config(head_dim=TEXT["hidden_size"] // TEXT["num_attention_heads"], **text_settings)
+    else:
+        text = Qwen2Config(**text_settings)
+    config = InternVLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=INTERNVL_IMAGE_ID,
+        image_seq_length=INTERNVL_TILE_TOKENS,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+    processor = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessorPil(
+            size=tile, crop_to_patches=True, min_patches=1, max_patches=4
+        ),
+        tokenizer=_internvl_tokenizer(),
+        video_processor=InternVLVideoProcessor(size=tile),
+        image_seq_length=INTERNVL_TILE_TOKENS,
+        chat_template=INTERNVL_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=6 if text_model == "qwen2" else 7)
+    return path
+
+
+ONEVISION_CROP, ONEVISION_PATCH = 28, 7  # 4x4 patches per crop
+ONEVISION_IMAGE_ID, ONEVISION_VIDEO_ID = 199, 198
+
+
+def llava_onevision(path: str | Path) -> Path:
+    """LLaVA-OneVision: a 2-layer SigLIP (head_dim 32, 28-px crops of 4x4 patches, no [CLS]) and a 4-layer
+    head_dim-32 Qwen2; AnyRes pinpoints of 1..3 x 1..3 crops and ``anyres_max_9`` (vLLM counts an
+    image's tokens with 9): a 28x28 image is its base crop (16) + one 4x4 crop with 4 newlines (36
+    tokens), 56x28 (w x h) 16 + 4x8 + 4 (52)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vision = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": ONEVISION_CROP,
+        "patch_size": ONEVISION_PATCH,
+        "vision_use_head": False,
+    }
+    text = Qwen2Config(
+        **TEXT,
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    pinpoints = [[ONEVISION_CROP * i, ONEVISION_CROP * j] for i in (1, 2, 3) for j in (1, 2, 3)]
+    config = LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **vision},
+        text_config=text,
+        image_token_id=ONEVISION_IMAGE_ID,
+        video_token_id=ONEVISION_VIDEO_ID,
+        image_grid_pinpoints=pinpoints,
+        vision_aspect_ratio="anyres_max_9",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlavaOnevisionForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    crop = {"height": ONEVISION_CROP, "width": ONEVISION_CROP}
+    special = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": 3, "\n": 4}
+    special |= {"<image>": ONEVISION_IMAGE_ID, "<video>": ONEVISION_VIDEO_ID}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessorPil(size=crop, image_grid_pinpoints=pinpoints),
+        tokenizer=_word_tokenizer(special, {"image_token": "<image>", "video_token": "<video>"}),
+        video_processor=LlavaOnevisionVideoProcessor(size=crop),
+        num_image_tokens=(ONEVISION_CROP // ONEVISION_PATCH) ** 2,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9",
+        chat_template=QWEN_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=8, vision=("mlp", "self_attn"), clip_names=True)
+    return path
+
+
+def _internvl_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer with InternVL's image tokens at the tiny config's ids."""
+    special = {
+        "<pad>": PAD_ID,
+        "<s>": BOS_ID,
+        "</s>": EOS_ID,
+        "<unk>": 3,
+        "\n": 4,
+        "<IMG_CONTEXT>": INTERNVL_IMAGE_ID,
+        "<img>": INTERNVL_START_ID,
+        "</img>": INTERNVL_END_ID,
+        "<video>": INTERNVL_VIDEO_ID,
+    }
+    images = {
+        "context_image_token": "<IMG_CONTEXT>",
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "video_token": "<video>",
+    }
+    return _word_tokenizer(special, images)
 
 
 def _qwen(
@@ -182,6 +353,19 @@ def _qwen_tokenizer() -> PreTrainedTokenizerFast:
         "<|video_pad|>": QWEN_VIDEO_ID,
         "<|image_pad|>": QWEN_IMAGE_ID,
     }
+    vision = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    }
+    return _word_tokenizer(special, vision)
+
+
+def _word_tokenizer(special: dict[str, int], vision: dict[str, str]) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``VOCAB`` ids: the ``special`` tokens at their ids (the
+    pad, bos, eos, unk and newline ones first), the test words and fillers on the free ids; ``vision``
+    names the family's vision tokens (special tokens, so they need no spaces around them)."""
     free = [i for i in range(VOCAB) if i not in special.values()]
     words = [*checkpoint.WORDS, "USER:", "ASSISTANT:"]
     vocab = special | dict(zip(words + [f"w{i}" for i in free[len(words) :]], free, strict=True))
@@ -194,14 +378,8 @@ def _qwen_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<unk>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
+        extra_special_tokens=vision,
     )
     tokenizer.add_tokens(["\n"])
-    vision = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": vision})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(vision.values())})
     return tokenizer

@@ -46,3 +46,24 @@ def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
+
+
+@pytest.fixture(scope="session")
+def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.internvl(tmp_path_factory.mktemp("internvl"))
+
+
+@pytest.fixture(scope="session")
+def internvl3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.internvl(tmp_path_factory.mktemp("internvl3.5"), text_model="qwen3")
+
+
+@pytest.fixture(scope="session")
+def onevision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.llava_onevision(tmp_path_factory.mktemp("llava-onevision"))

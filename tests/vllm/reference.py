@@ -27,9 +27,10 @@ ENGINE = {
 }
 
 
-def image(size: int, seed: int) -> Image.Image:
-    """A random RGB image."""
-    return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8"))
+def image(size: int, seed: int, height: int | None = None) -> Image.Image:
+    """A random RGB image, ``size`` wide and ``height`` (default ``size``) high."""
+    pixels = np.random.RandomState(seed).rand(height or size, size, 3) * 255
+    return Image.fromarray(pixels.astype("uint8"))
 
 
 def vllm_request(prompt: str, images: list[Image.Image], budget: dict | None = None) -> dict:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 from vllm.plugins import load_general_plugins
 
 from priortr.integrations.vllm.config_hooks import (
@@ -18,6 +18,7 @@ from priortr.integrations.vllm.config_hooks import (
 )
 from priortr.integrations.vllm.decoder import check_backend
 from priortr.integrations.vllm.processor import STEP_LIMIT_KEY
+from priortr.integrations.vllm.registration import UNSERVED
 from priortr.integrations.vllm.scheduler import PruningScheduler
 from priortr.integrations.vllm.settings import (
     RequestPolicy,
@@ -180,6 +181,22 @@ def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
     config_of(path, hf_overrides={})
 
 
+def test_internvl_chat_model_is_refused_with_its_reason():
+    """vLLM's InternVLChatModel (InternVL's original layout) needs the checkpoint's remote code, for which
+    priortr.apply has no adapter: with priortr settings it is refused at engine start, saying so and
+    naming the Hugging Face format the plug-in serves; without them vLLM's hook runs as before."""
+    load_general_plugins()
+    hook = MODELS_CONFIG_MAP["InternVLChatModel"]
+    with_settings = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(priortr={}), architecture="InternVLChatModel")
+    )
+    with pytest.raises(ValueError, match=r"remote code.*InternVLForConditionalGeneration"):
+        hook.verify_and_update_config(with_settings)
+    stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
+    hook.verify_and_update_config(stock)
+    assert "InternVLForConditionalGeneration" not in UNSERVED
+
+
 def test_unserved_hook_keeps_vllms_own_hook():
     """The refusing hook runs vLLM's own hook for the architecture, and wraps it once however often the
     plug-in registers."""
@@ -190,8 +207,8 @@ def test_unserved_hook_keeps_vllms_own_hook():
         def verify_and_update_config(vllm_config):
             seen.append(vllm_config)
 
-    hook = unserved_hook(Own)
-    assert issubclass(hook, UnservedFamilyHook) and unserved_hook(hook) is hook
+    hook = unserved_hook(Own, "a reason")
+    assert issubclass(hook, UnservedFamilyHook) and unserved_hook(hook, "another reason") is hook
     stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
     hook.verify_and_update_config(stock)
     assert seen == [stock]

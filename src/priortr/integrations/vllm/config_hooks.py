@@ -178,12 +178,13 @@ class DeepStackConfigHook(PruningConfigHook):
 
 
 class UnservedFamilyHook(VerifyAndUpdateConfig):
-    """An architecture the plug-in does not serve (``registration.UNSERVED``): vLLM would build its own
-    class and never read the ``priortr`` settings, serving the model unpruned, so a config carrying
-    them is refused when the engine starts. vLLM's own hook for the architecture (``previous``) runs
-    as before; a config without ``priortr`` settings is untouched."""
+    """An architecture the plug-in does not serve (``registration.UNSERVED``, with ``reason``): vLLM
+    would build its own class and never read the ``priortr`` settings, serving the model unpruned, so a
+    config carrying them is refused when the engine starts. vLLM's own hook for the architecture
+    (``previous``) runs as before; a config without ``priortr`` settings is untouched."""
 
     previous: type[VerifyAndUpdateConfig] = VerifyAndUpdateConfig
+    reason: str
 
     @classmethod
     def verify_and_update_model_config(cls, model_config: Any) -> None:
@@ -194,16 +195,17 @@ class UnservedFamilyHook(VerifyAndUpdateConfig):
         model_config = vllm_config.model_config
         if getattr(model_config.hf_config, SETTINGS_KEY, None) is not None:
             raise ValueError(
-                f"priortr's vLLM plug-in does not serve {model_config.architecture} (docs/serving.md, "
-                "Families): with these priortr settings it would be served unpruned; drop them to serve "
-                "it unpruned, or prune it with priortr.apply on Hugging Face transformers"
+                f"priortr's vLLM plug-in does not serve {model_config.architecture} ({cls.reason}; "
+                "docs/serving.md, Families): with these priortr settings it would be served unpruned; drop "
+                "them to serve it unpruned, or prune it with priortr.apply on Hugging Face transformers"
             )
         cls.previous.verify_and_update_config(vllm_config)
 
 
-def unserved_hook(previous: type[VerifyAndUpdateConfig] | None) -> type[VerifyAndUpdateConfig]:
-    """The refusing hook over vLLM's own hook ``previous`` (None: it has none); idempotent, as every
-    vLLM process registers the plug-in."""
+def unserved_hook(previous: type[VerifyAndUpdateConfig] | None, reason: str) -> type[VerifyAndUpdateConfig]:
+    """The refusing hook, giving ``reason``, over vLLM's own hook ``previous`` (None: it has none);
+    idempotent, as every vLLM process registers the plug-in."""
     if previous is not None and issubclass(previous, UnservedFamilyHook):
         return previous
-    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": previous or VerifyAndUpdateConfig})
+    own = previous or VerifyAndUpdateConfig
+    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": own, "reason": reason})

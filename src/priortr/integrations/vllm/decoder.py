@@ -2,12 +2,13 @@
 layer taken apart into the steps a pruned prefill runs separately, the batch facts read from vLLM's
 attention metadata, and the one collective a pruned prefill adds under tensor parallelism.
 
-vLLM's Llama, Qwen2 and Qwen3-VL decoder layers (LLaVA-1.5's, Qwen2/2.5-VL's and Qwen3-VL's language
-models) are ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm
--> mlp`` with a fused residual, called as ``layer(positions, hidden, residual)``, and the language model
-ends in a norm that takes the residual too; Qwen3-VL's attention applies an RMSNorm to each head of q and
-k before RoPE (``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward``). A layer of another shape is
-refused when the model loads, with its type named.
+vLLM's Llama, Qwen2, Qwen3 and Qwen3-VL decoder layers (LLaVA-1.5's, Qwen2/2.5-VL's, InternVL's and
+Qwen3-VL's language models) are ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) ->
+post_attention_layernorm -> mlp`` with a fused residual, called as ``layer(positions, hidden, residual)``,
+and the language model ends in a norm that takes the residual too; Qwen3's and Qwen3-VL's attention
+applies an RMSNorm to each head of q and k before RoPE (``q_norm`` / ``k_norm``, as vLLM's
+``Qwen3Attention.forward``). A layer of another shape is refused when the model loads, with its type
+named.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from vllm.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context
 
-KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3VLDecoderLayer"})
-QK_NORM_LAYERS = frozenset({"Qwen3VLDecoderLayer"})
+KNOWN_LAYERS = frozenset(
+    {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3VLDecoderLayer"}
+)
+QK_NORM_LAYERS = frozenset({"Qwen3DecoderLayer", "Qwen3VLDecoderLayer"})
 """The known layers whose attention normalises each head of q and k before RoPE (``q_norm``, ``k_norm``)."""
 READABLE_BACKENDS = frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"})
 """vLLM attention backends whose per-layer metadata carries ``query_start_loc`` and ``seq_lens`` as

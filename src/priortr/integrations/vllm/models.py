@@ -1,5 +1,5 @@
-"""LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL as vLLM serves them, pruning visual tokens after decoder
-layer L.
+"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL as vLLM serves them, pruning
+visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -10,9 +10,12 @@ the plug-in's code. The hooks:
   by the image, not by the request, and K depends on the request); an unpruned image's rows stay as
   vLLM lays them out;
 * ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
-  as vLLM merges it;
-* ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); LLaVA is
-  given vLLM's per-request M-RoPE bookkeeping for this, its layers still get 1-D positions;
+  as vLLM merges it. An image is the run of placeholders that take its embeddings (vLLM's
+  ``is_multimodal`` rows); tokens of its placeholder range outside that run (InternVL's ``<img>`` and
+  ``</img>``) are text rows;
+* ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); the 1-D
+  RoPE families (LLaVA, LLaVA-OneVision, InternVL) are given vLLM's per-request M-RoPE bookkeeping for
+  this, their layers still get 1-D positions;
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
@@ -28,7 +31,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from vllm.model_executor.models.interns1 import InternS1ForConditionalGeneration
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.llava_onevision import LlavaOnevisionForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -45,7 +50,7 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, served_config
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, embedded_run, served_config
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -265,6 +270,69 @@ class PruningLlava(PruningModel, LlavaForConditionalGeneration):
     def _slots(self, feature: Any) -> ImageSlots:
         span = feature.mm_position
         return ImageSlots(span.offset, span.length, self._tokens_per_image, (1, self._tokens_per_image))
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        return linear_positions(prompt, starts)
+
+
+class PruningInternVL(PruningModel, InternS1ForConditionalGeneration):
+    """vLLM's InternVL in the Hugging Face format (``InternVLForConditionalGeneration``, which vLLM
+    serves with its InternS1 class) with priortr (1-D RoPE, as LLaVA).
+
+    vLLM lays out an image as ``<img> <IMG_CONTEXT> x N </img>``, one placeholder range whose
+    ``is_embed`` mask marks the ``<IMG_CONTEXT>`` run of N = ``num_image_token`` tokens per tile (256
+    for the released 448-px tiles), the crops and the thumbnail of one image in one run, as
+    ``priortr.apply`` prunes it: one budget over the image's tiles, ``</img>`` its separator
+    (``priortr.adapters.internvl``)."""
+
+    supports_mrope = True
+    linear_rope = True
+    stock = InternS1ForConditionalGeneration
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        offset, kept = embedded_run(feature.mm_position)
+        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
+            return ImageSlots(offset, kept, kept, (1, kept))
+        if "image_num_patches" not in feature.data:
+            raise ValueError(
+                "priortr prunes InternVL images given as pixels, whose tile count comes with them; send "
+                'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
+            )
+        tokens = int(feature.data["image_num_patches"].data) * self.num_image_token
+        return ImageSlots(offset, kept, tokens, (1, tokens))
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        return linear_positions(prompt, starts)
+
+
+class PruningLlavaOnevision(PruningModel, LlavaOnevisionForConditionalGeneration):
+    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA).
+
+    vLLM lays out an image as one run of N ``<image>`` placeholders: its base crop, then its AnyRes tile
+    grid unpadded to the image's aspect ratio with a learned newline feature after every grid row, as
+    the encoder packs them; the newline rows are visual tokens of the run, pruned like the others, as
+    ``priortr.apply`` prunes them (``priortr.adapters.llava_next``), whose ``anyres_tokens`` gives N."""
+
+    supports_mrope = True
+    linear_rope = True
+    stock = LlavaOnevisionForConditionalGeneration
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        offset, kept = embedded_run(feature.mm_position)
+        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
+            return ImageSlots(offset, kept, kept, (1, kept))
+        if "image_sizes" not in feature.data:
+            raise ValueError(
+                "priortr prunes LLaVA-OneVision images given as pixels, whose size comes with them; send "
+                'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
+            )
+        height, width = feature.data["image_sizes"].data.tolist()
+        tokens = self._adapter.anyres_tokens(self.config, height, width)
+        return ImageSlots(offset, kept, tokens, (1, tokens))
 
     def _full_positions(
         self, prompt: list[int], starts: list[int], features: list, others: list

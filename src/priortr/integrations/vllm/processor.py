@@ -5,7 +5,9 @@ for every one. For a pruned request this processor keeps only the K the image wi
 scored layer (its share of the request's budget, planned by the library's own ``plan_on_host``, which
 also refuses a prompt the method cannot score, e.g. an image with no instruction after it), so the
 paged cache of every layer holds text + K tokens per image. The N encoder rows still reach the model
-(``models.py`` packs them), which computes layers 0..L on all of them once and keeps K.
+(``models.py`` packs them), which computes layers 0..L on all of them once and keeps K. Tokens of an
+image's placeholder range that take no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and
+``</img>``) are text to the library and stay in the prompt (``embedded_run``).
 """
 
 from __future__ import annotations
@@ -62,19 +64,48 @@ def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> lis
     return [min(pool.stages[config.layer], pool.size) for pool in host.pools]
 
 
+def embedded_run(span: PlaceholderRange) -> tuple[int, int]:
+    """(prompt index of the first token of ``span`` that takes the image's embeddings, how many do).
+
+    vLLM's placeholder range of an image may hold tokens that stay text, its ``is_embed`` mask marking
+    the ones that take embeddings (InternVL: ``<img>`` and ``</img>`` around the ``<IMG_CONTEXT>`` run);
+    those text tokens are never pruned, as the family's Hugging Face adapter decides. The embedded
+    tokens must be one run (a range without a mask is one run of them all)."""
+    if span.is_embed is None:
+        return span.offset, span.length
+    flags = span.is_embed.tolist()
+    count = sum(flags)
+    first = flags.index(True) if count else 0
+    if not count or not all(flags[first : first + count]):
+        raise ValueError(
+            "priortr in vLLM prunes an image whose placeholders take its embeddings in one run; this "
+            f"image's placeholders interleave text with them ({count} of {len(flags)} embedded); send "
+            f'the request with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
+    return span.offset + first, count
+
+
 def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: list[int]) -> tuple:
-    """``prompt`` with image ``i``'s placeholder run cut to its first ``counts[i]`` tokens, and the
-    runs' new ranges (``ranges`` and ``counts`` in the same order; the runs do not overlap)."""
+    """``prompt`` with image ``i``'s embedded run (``embedded_run``) cut to its first ``counts[i]``
+    tokens, and the images' new ranges (``ranges`` and ``counts`` in the same order; the ranges do not
+    overlap). A range's tokens that stay text stay in it, and its ``is_embed`` mask is cut alike."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
     out: list[int] = []
     new: list[PlaceholderRange | None] = [None] * len(ranges)
     cursor = removed = 0
     for i in order:
         span, kept = ranges[i], counts[i]
-        out += prompt[cursor : span.offset + kept]
-        cursor = span.offset + span.length
-        new[i] = PlaceholderRange(offset=span.offset - removed, length=kept)
-        removed += span.length - kept
+        start, count = embedded_run(span)
+        out += prompt[cursor : start + kept]
+        cursor = start + count
+        is_embed = span.is_embed
+        if is_embed is not None:
+            inside = start - span.offset
+            is_embed = torch.cat([is_embed[: inside + kept], is_embed[inside + count :]])
+        new[i] = PlaceholderRange(
+            offset=span.offset - removed, length=span.length - count + kept, is_embed=is_embed
+        )
+        removed += count - kept
     out += prompt[cursor:]
     return out, new
 
@@ -82,10 +113,11 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
 class PruningProcessor:
     """Mixin for a vLLM multimodal processor: a pruned request's images get K placeholders each."""
 
-    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> Any:
-        """The Hugging Face processor never sees the ``priortr`` request setting."""
+    def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
+        """The Hugging Face processor never sees the ``priortr`` request setting (InternVL's vLLM
+        processor calls it here directly, not through ``_call_hf_processor``)."""
         hf_kwargs = {key: value for key, value in hf_kwargs.items() if key != SETTINGS_KEY}
-        return super()._call_hf_processor(hf_data, hf_kwargs)
+        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
     def get_dummy_inputs(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
@@ -117,12 +149,11 @@ class PruningProcessor:
             return super().apply(inputs, timing_ctx)
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
         images = list(laid_out["mm_placeholders"].get("image", []))
+        tokens = [embedded_run(span)[1] for span in images]  # N per image
         counts = image_counts(hf_config, config, laid_out)
-        if all(kept == span.length for kept, span in zip(counts, images, strict=True)):
+        if counts == tokens:
             return super().apply(inputs, timing_ctx)
-        length = len(laid_out["prompt_token_ids"]) - sum(
-            span.length - kept for span, kept in zip(images, counts, strict=True)
-        )
+        length = len(laid_out["prompt_token_ids"]) - sum(tokens) + sum(counts)
         check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
         identities = [
             f"{image_hash}:priortr-kept-{kept}-prompt-{length}"
@@ -181,8 +212,6 @@ def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[i
             f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
             f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
         )
-    if any(span.is_embed is not None for span in images):
-        raise ValueError("priortr in vLLM needs each image's placeholders to be one run of its tokens")
     counts = kept_counts(hf_config, config, laid_out["prompt_token_ids"])
     if len(counts) != len(images):
         raise ValueError(
