@@ -7,6 +7,7 @@ is also run with a fault patched into the plug-in, whose answers must then diffe
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models, positions
@@ -19,7 +20,7 @@ QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat 
 
 @pytest.fixture(scope="module")
 def llm(llava_dir):
-    engine = LLM(model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, **ENGINE)
+    engine = LLM(model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, enable_mm_embeds=True, **ENGINE)
     yield engine
     del engine
 
@@ -69,6 +70,22 @@ def test_per_request_budget_and_pruning_off(llm, llava_dir):
     assert len(outs[0].prompt_token_ids) == 9 + 8
     assert list(outs[1].outputs[0].token_ids) == hf_tokens(llava_dir, prompt, images, None, TOKENS)
     assert len(outs[1].prompt_token_ids) == 9 + 16
+
+
+def test_image_embeddings_are_refused_when_pruned_and_served_when_not(llm):
+    """The plug-in sizes an image from its pixels, so a pruned request sending image embeddings is
+    refused in the front end (a ValueError, an HTTP 400 from the server) instead of failing the engine;
+    the same embeddings with pruning off are served."""
+    width = llm.llm_engine.model_config.hf_config.text_config.hidden_size
+    embedded = {
+        "prompt": LLAVA_PROMPT.format(QUESTIONS[0]),
+        "multi_modal_data": {"image": torch.randn(1, 16, width)},  # one image, the checkpoint's N = 16
+    }
+    with pytest.raises(ValueError, match="image embeddings"):
+        generate(llm, [embedded])
+    out = generate(llm, [{**embedded, "mm_processor_kwargs": {"priortr": {"enabled": False}}}])[0]
+    assert len(out.outputs[0].token_ids) == TOKENS
+    assert len(out.prompt_token_ids) == 9 + 16
 
 
 def test_requests_arriving_while_others_decode(llm, llava_dir):

@@ -23,6 +23,7 @@ from vllm.multimodal.inputs import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
@@ -147,6 +148,7 @@ class PruningProcessor:
         config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
         if config is None:
             return super().apply(inputs, timing_ctx)
+        check_pixels(inputs.mm_data_items)
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
         images = list(laid_out["mm_placeholders"].get("image", []))
         tokens = [embedded_run(span)[1] for span in images]  # N per image
@@ -170,6 +172,19 @@ class PruningProcessor:
             "mm_placeholders": {**placeholders, "image": ranges},
             "mm_kwargs": type(out["mm_kwargs"])({**out["mm_kwargs"], "image": items}),
         }
+
+
+def check_pixels(items: MultiModalDataItems) -> None:
+    """Refuse a pruned request whose images come as embeddings (vLLM's ``--enable-mm-embeds``): the
+    plug-in sizes an image's N from what its pixels carry (tile counts, image sizes, grids), which an
+    embedding tensor does not, so the request is refused here, before it reaches the engine."""
+    embedded = sorted(modality for modality, data in items.items() if isinstance(data, EmbeddingItems))
+    if embedded:
+        raise ValueError(
+            f"priortr in vLLM prunes images sent as pixels and this request sends {', '.join(embedded)} "
+            "embeddings; send the pixels, or send the request with "
+            f'mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
 
 
 def check_step_limit(length: int, limit: int | None) -> None:
