@@ -24,23 +24,27 @@ A cell (a setting at a concurrency C) is one run of vLLM's benchmark, called as 
 calls it (``vllm.benchmarks.serve``): its ``random-mm`` dataset (per request one distinct random
 336 x 336 image and TEXT_TOKENS random text tokens), ANSWER_TOKENS output tokens (EOS ignored),
 greedy, ``--max-concurrency`` C, max(PROMPT_FLOOR, 2 C) prompts. Its saved result file gives TTFT and
-TPOT p50 / p99, requests/s and output tokens/s. Meanwhile the server's ``/metrics`` is read every
-POLL_S seconds: the most requests running at once and the highest KV-cache usage seen (samples, so a
-peak shorter than POLL_S can be missed), and the preemptions and prefix-cache lookups and hits
-(counter differences). Stock's and priortr's servers are up together and their cells alternate,
-concurrency by concurrency, in an order rotated each round; then each server with a default off is
-up beside priortr's, and its cells alternate with priortr's K = 64. ``--repeat`` concurrencies run a
-second round. Every cell has its own seed, so no image or text comes to a server twice (vLLM's
-processor, encoder and prefix caches see each once). Each server first serves a few untimed requests
-(warm-up).
+TPOT p50 / p99, requests/s and output tokens/s, and, per request, when it started, its first token
+and its last: the most requests decoding at once (between their first and last token, each holding
+its whole prompt's KV) and their mean (Little's law: requests/s x mean time from first to last
+token). Meanwhile the server's ``/metrics`` is read every POLL_S seconds: vLLM's count of running
+requests (which, with chunked prefill, includes requests admitted with part of their prompt and
+preempted later) and the highest KV-cache usage seen (samples, so a peak shorter than POLL_S can be
+missed), and the preemptions and prefix-cache lookups and hits (counter differences).
+
+Stock's and priortr's servers are up together and their cells alternate, concurrency by concurrency,
+in an order rotated each round; then each server with a default off runs alone. ``--repeat``
+concurrencies run a second round. Every cell has its own seed, so no image or text comes to a server
+twice (vLLM's processor, encoder and prefix caches see each once). Each server first serves a few
+untimed requests (warm-up).
 
 KV blocks per request are computed from the block size and the token counts: the prompt tokens the
 server counted (the benchmark's input tokens per request) plus the answer; the highest KV-cache usage
 at concurrency 1 (one request at a time) times the cache's blocks is reported beside them. The limit
 of a budget K is (text + N + answer) / (text + K + answer), in tokens.
 
-Writes ``bench.json`` and ``bench.md`` into ``--out``, with vLLM's result file of every cell in
-``--out``/raw/ and the servers' logs in ``--out``/logs/.
+Writes ``bench.json`` and ``bench.md`` into ``--out``, with vLLM's result file of every cell (less its
+per-token lists) in ``--out``/raw/ and the servers' logs in ``--out``/logs/.
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ class Cell:
     seed: int
     bench: dict[str, Any]
     peak_running: int
+    peak_decoding: int
+    mean_decoding: float
     peak_kv_usage: float
     preemptions: int
     prefix_cache_queries: int
@@ -181,6 +187,20 @@ def token_limit(text: int, image: int, kept: int, answer: int) -> float:
     """(text + N + answer) / (text + K + answer): how many times as many requests a KV cache holds when
     each keeps K of its N visual tokens, counted in tokens (no block rounding)."""
     return (text + image + answer) / (text + kept + answer)
+
+
+def decoding_at_once(starts: list[float], ttfts: list[float], latencies: list[float]) -> int:
+    """The most requests decoding at once, from the benchmark's per-request times: request i decodes
+    from its first token (start + TTFT) to its last (start + latency), holding its whole prompt's KV."""
+    events = sorted(
+        [(start + ttft, 1) for start, ttft in zip(starts, ttfts, strict=True)]
+        + [(start + latency, -1) for start, latency in zip(starts, latencies, strict=True)]
+    )
+    most = now = 0
+    for _, step in events:  # at equal times an end (-1) sorts before a start (+1)
+        now += step
+        most = max(most, now)
+    return most
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -250,6 +270,7 @@ def bench_argv(
         "--metric-percentiles=50,99",
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",
         f"--result-dir={result.parent}",
         f"--result-filename={result.name}",
     ]
@@ -260,14 +281,18 @@ def bench_argv(
 
 def run_bench(argv: list[str]) -> dict[str, Any]:
     """One run of vLLM's serving benchmark, parsed and called as ``vllm bench serve`` does; its saved
-    result file."""
+    result file, rewritten without the per-token lists (``itls``, ``generated_texts``: most of its
+    size) once read."""
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(argv)
     bench_main(args)
-    result = json.loads((Path(args.result_dir) / args.result_filename).read_text())
+    file = Path(args.result_dir) / args.result_filename
+    result = json.loads(file.read_text())
     if result["failed"]:
         raise SystemExit(f"{result['failed']} requests failed: vllm bench serve {' '.join(argv)}")
+    kept = {key: value for key, value in result.items() if key not in ("itls", "generated_texts")}
+    file.write_text(json.dumps(kept) + "\n")
     return result
 
 
@@ -356,13 +381,11 @@ class Phase:
 
 
 def phases() -> list[Phase]:
-    """Stock against priortr's budgets (defaults on), then each default turned off at K = 64 beside
-    priortr's K = 64 with it on."""
+    """Stock against priortr's budgets (defaults on, both servers up), then each default turned off at
+    K = 64 (one server at a time: beside priortr's K = 64 again, it would not fit the full run's
+    half hour on the project's machine)."""
     main = Phase((STOCK, PRIORTR), (Setting(STOCK, None), *(Setting(PRIORTR, k) for k in BUDGETS)))
-    return [main] + [
-        Phase((PRIORTR, off), (Setting(PRIORTR, TURNED_OFF_BUDGET), Setting(off, TURNED_OFF_BUDGET)))
-        for off in DEFAULTS_OFF
-    ]
+    return [main] + [Phase((off,), (Setting(off, TURNED_OFF_BUDGET),)) for off in DEFAULTS_OFF]
 
 
 def prompts_at(concurrency: int, floor: int) -> int:
@@ -433,6 +456,8 @@ def run_cell(
         seed=seed,
         bench={key: bench[key] for key in BENCH_KEYS},
         peak_running=round(watch.peak_running),
+        peak_decoding=decoding_at_once(bench["start_times"], bench["ttfts"], bench["latencies"]),
+        mean_decoding=bench["request_throughput"] * (bench["mean_e2el_ms"] - bench["mean_ttft_ms"]) / 1000,
         peak_kv_usage=watch.peak_usage,
         preemptions=round(counters[PREEMPTIONS]),
         prefix_cache_queries=round(counters[CACHE_QUERIES]),
@@ -441,6 +466,7 @@ def run_cell(
     print(
         f"{setting.name} c={concurrency} r{round_}: {bench['request_throughput']:.3f} req/s, "
         f"TTFT p99 {bench['p99_ttft_ms']:.0f} ms, peak running {cell.peak_running}, "
+        f"peak decoding {cell.peak_decoding}, "
         f"preemptions {cell.preemptions}",
         flush=True,
     )
@@ -463,6 +489,8 @@ BENCH_KEYS = (
     "p50_itl_ms",
     "p99_itl_ms",
     "p50_e2el_ms",
+    "mean_ttft_ms",
+    "mean_e2el_ms",
     "p99_e2el_ms",
 )
 
@@ -555,9 +583,9 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "| setting | C | prompts | requests/s | vs stock | output tok/s | TTFT p50 ms | TTFT p99 ms "
-        "| TPOT p50 ms | TPOT p99 ms | peak running | held / limit | preemptions | peak KV usage "
-        "| prefix-cache hits / queries |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| TPOT p50 ms | TPOT p99 ms | most decoding | of limit | mean decoding | peak running (vLLM) "
+        "| preemptions | peak KV usage | prefix-cache hits / queries |",
+        "| --- " * 17 + "|",
     ]
     rows = {}
     for concurrency in sorted({c.concurrency for c in cells}):
@@ -574,15 +602,15 @@ class Row:
     """The cells of one setting at one concurrency."""
 
     cells: list[Cell]
-    running: int
+    decoding: int
     held: float
-    """The most requests running at once over the requests the KV cache holds in tokens (or the
-    concurrency, if lower)."""
+    """The most requests decoding at once over the requests the KV cache holds, counted in tokens (or
+    the concurrency, if lower)."""
 
     @classmethod
     def of(cls, cells: list[Cell], holds: float) -> Row:
-        running = max(c.peak_running for c in cells)
-        return cls(cells, running, running / min(holds, cells[0].concurrency))
+        decoding = max(c.peak_decoding for c in cells)
+        return cls(cells, decoding, decoding / min(holds, cells[0].concurrency))
 
     def line(self, name: str, stock: Row) -> str:
         """This row of the serving table; ``stock``: stock's row at the same concurrency."""
@@ -592,7 +620,8 @@ class Row:
             f"| {name} | {cells[0].concurrency} | {cells[0].prompts} | {spread('request_throughput', 3)} "
             f"| {rate:.2f}x | {spread('output_throughput', 1)} | {spread('p50_ttft_ms', 0)} "
             f"| {spread('p99_ttft_ms', 0)} | {spread('p50_tpot_ms', 1)} | {spread('p99_tpot_ms', 1)} "
-            f"| {self.running} | {self.held:.2f} | {sum(c.preemptions for c in cells)} "
+            f"| {self.decoding} | {self.held:.2f} | {_spread([c.mean_decoding for c in cells], 1)} "
+            f"| {max(c.peak_running for c in cells)} | {sum(c.preemptions for c in cells)} "
             f"| {max(c.peak_kv_usage for c in cells):.2f} "
             f"| {sum(c.prefix_cache_hits for c in cells)} / {sum(c.prefix_cache_queries for c in cells)} |"
         )
@@ -615,7 +644,8 @@ def targets(rows: dict[tuple[str, int], Row], names: list[str]) -> list[str]:
     out = ["Targets (medians; defaults on unless the setting names a flag):", ""]
     for name in names:
         held = rows[name, top].held
-        out.append(f"- requests held at C={top}, {name}: {held:.2f} of the limit: {_verdict(held >= 0.9)}")
+        verdict = _verdict(held >= 0.9)
+        out.append(f"- requests decoding at once at C={top}, {name}: {held:.2f} of the limit: {verdict}")
     for name in small:
         ratios = [
             rows[name, c].median("request_throughput") / stock[c].median("request_throughput")

@@ -70,6 +70,15 @@ def test_bench_arguments_are_vllms():
     assert stock.extra_body is None
 
 
+def test_decoding_at_once_by_hand():
+    """Decoding intervals [start + TTFT, start + latency]: [1, 5], [2, 3], [3, 6], [5.5, 7]: at most
+    two at once (the second ends at 3 as the third starts; the first ends at 5 before the fourth)."""
+    starts, ttfts, latencies = [0, 0, 1, 4], [1, 2, 2, 1.5], [5, 3, 5, 3]
+    assert bench.decoding_at_once(starts, ttfts, latencies) == 2
+    assert bench.decoding_at_once([0, 0], [1, 1], [4, 4]) == 2
+    assert bench.decoding_at_once([], [], []) == 0
+
+
 def cell(setting: str, concurrency: int, rps: float, ttft_p99: float, running: int) -> Cell:
     keys = dict.fromkeys(bench.BENCH_KEYS, 0.0)
     result = {**keys, "request_throughput": rps, "p99_ttft_ms": ttft_p99, "completed": 1}
@@ -81,7 +90,9 @@ def cell(setting: str, concurrency: int, rps: float, ttft_p99: float, running: i
         prompts=4,
         seed=0,
         bench=result,
-        peak_running=running,
+        peak_running=64,
+        peak_decoding=running,
+        mean_decoding=running / 2,
         peak_kv_usage=0.5,
         preemptions=0,
         prefix_cache_queries=0,
@@ -101,8 +112,8 @@ def test_targets_met_and_missed():
         ("K=64", 64): Row.of([cell("K=64", 64, 4.0, 500, 36)], holds=36.0),
     }
     lines = bench.targets(rows, ["stock", "K=128", "K=64"])
-    assert "- requests held at C=64, stock: 1.00 of the limit: met" in lines
-    assert "- requests held at C=64, K=128: 0.80 of the limit: MISSED" in lines
+    assert "- requests decoding at once at C=64, stock: 1.00 of the limit: met" in lines
+    assert "- requests decoding at once at C=64, K=128: 0.80 of the limit: MISSED" in lines
     assert "- requests/s vs stock at every C, K=128: 1.50x, 0.95x: MISSED" in lines
     assert "- requests/s vs stock at every C, K=64: 1.60x, 2.00x: met" in lines
     assert "- TTFT p99 at C=64, K=128: 950 ms vs stock 900 ms: MISSED" in lines
