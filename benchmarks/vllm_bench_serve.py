@@ -65,7 +65,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -392,9 +392,12 @@ def prompts_at(concurrency: int, floor: int) -> int:
     return max(floor, 2 * concurrency)
 
 
-def run(args: argparse.Namespace, model: Path, template: Path, blocks: int) -> list[Cell]:
-    """Every phase's cells. A server starts with the first phase that needs it (then serves a few
-    untimed requests) and stops after the last one, so at most two are up at once."""
+def run(
+    args: argparse.Namespace, model: Path, template: Path, blocks: int, save: Callable[[list[Cell]], None]
+) -> None:
+    """Every phase's cells, handed to ``save`` after each. A server starts with the first phase that
+    needs it (then serves a few untimed requests) and stops after the last one, so at most two are
+    up at once."""
     cells: list[Cell] = []
     raw, logs = args.out / "raw", args.out / "logs"
     raw.mkdir(parents=True, exist_ok=True)
@@ -420,10 +423,10 @@ def run(args: argparse.Namespace, model: Path, template: Path, blocks: int) -> l
                     for setting in phase.settings[shift:] + phase.settings[:shift]:
                         url, seed = up[setting.server][1], 1000 + len(cells)
                         cells.append(run_cell(args, url, model, setting, number, concurrency, round_, seed))
+                        save(cells)
     finally:
         for stack, _ in up.values():
             stack.close()
-    return cells
 
 
 def _slug(name: str) -> str:
@@ -513,11 +516,6 @@ def main() -> None:
     began, load_before = time.perf_counter(), os.getloadavg()
     stock_tokens = TEMPLATE_TOKENS + TEXT_TOKENS + IMAGE_TOKENS + ANSWER_TOKENS
     blocks = args.cache_requests * kv_blocks(stock_tokens, BLOCK_SIZE) + 1  # and vLLM's null block
-    with tempfile.TemporaryDirectory() as folder:
-        model = build_checkpoint(Path(folder) / "model", args.hidden, args.layers, seed=0)
-        template = Path(folder) / "chat_template.jinja"
-        template.write_text(CHAT_TEMPLATE)
-        cells = run(args, model, template, blocks)
     report = {
         "command": "python benchmarks/vllm_bench_serve.py " + " ".join(sys.argv[1:]),
         "quick": args.quick,
@@ -527,12 +525,7 @@ def main() -> None:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average_before": load_before},
         "model": {
             "hidden": args.hidden,
             "layers": args.layers,
@@ -544,10 +537,20 @@ def main() -> None:
         "answer_tokens": ANSWER_TOKENS,
         "block_size": BLOCK_SIZE,
         "kv_cache_blocks": blocks - 1,
-        "wall_seconds": round(time.perf_counter() - began, 1),
-        "cells": [asdict(cell) for cell in cells],
     }
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    def save(cells: list[Cell]) -> None:
+        """bench.json with the cells so far (after every cell, so a stopped run leaves them)."""
+        report["machine"]["load_average_after"] = os.getloadavg()
+        report["wall_seconds"] = round(time.perf_counter() - began, 1)
+        report["cells"] = [asdict(cell) for cell in cells]
+        (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_checkpoint(Path(folder) / "model", args.hidden, args.layers, seed=0)
+        template = Path(folder) / "chat_template.jinja"
+        template.write_text(CHAT_TEMPLATE)
+        run(args, model, template, blocks, save)
     table = markdown(report)
     (args.out / "bench.md").write_text(table + "\n")
     print(table)
@@ -634,7 +637,7 @@ class Row:
 
 
 def targets(rows: dict[tuple[str, int], Row], names: list[str]) -> list[str]:
-    """Issue 37's targets, met or missed, on the medians: requests held at once >= 0.9 of the KV limit
+    """Issue 37's targets, met or missed, on the medians: requests decoding at once >= 0.9 of the KV limit
     at the highest concurrency; requests/s at least stock's at every concurrency for K <= 128 with
     vLLM's defaults on; TTFT p99 at the highest concurrency not above stock's."""
     top = max(c for _, c in rows)
@@ -642,6 +645,9 @@ def targets(rows: dict[tuple[str, int], Row], names: list[str]) -> list[str]:
     small = [name for name in pruned if int(name.removeprefix("K=")) <= 128]
     stock = {c: row for (name, c), row in rows.items() if name == STOCK.name}
     out = ["Targets (medians; defaults on unless the setting names a flag):", ""]
+    for name in [name for name in names if (name, top) not in rows]:
+        out.append(f"- {name}: not measured at C={top} (a stopped run)")
+    names = [name for name in names if (name, top) in rows]
     for name in names:
         held = rows[name, top].held
         verdict = _verdict(held >= 0.9)
