@@ -343,7 +343,7 @@ def main() -> None:
             "python": platform.python_version(),
         },
         "machine": {
-            "cpu": _cpu_name(),
+            "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "load_average_before": load_before,
@@ -413,7 +413,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the report."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
