@@ -16,6 +16,7 @@ from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import scheduler
 from tests.helpers.checkpoint import WORDS
+from tests.vllm.harness import run_arrivals
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
@@ -152,15 +153,7 @@ def test_chunked_prefill_keeps_a_pruned_prompt_whole(llm, llava_dir, monkeypatch
     arrivals = {0: ["long", "pruned"], 3: ["later", "text"]}
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     engine = llm.llm_engine
-    results: dict[str, list[int]] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for name in arrivals.get(step, []):
-            engine.add_request(name, cases[name], params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-        step += 1
+    results = run_arrivals(engine, cases, arrivals, params)
     for name, case in cases.items():
         assert results[name] == expected(llava_dir, case, pruned=name == "pruned"), name
     first = {name: next(s[name] for s in steps if name in s) for name in cases}

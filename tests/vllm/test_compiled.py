@@ -20,6 +20,7 @@ from vllm.config.compilation import CompilationMode
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 
 from priortr.integrations.vllm import models
+from tests.vllm.harness import run_arrivals
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
@@ -95,17 +96,10 @@ def test_mixed_stream_is_exact_and_runs_compiled_where_it_can(llm, llava_dir, mo
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     budgets = [None, {"budget": 2}, {"enabled": False}, {"budget": 6}, None, None]
     arrivals = {0: [0, 4], 2: [1, 2], 5: [3], 7: [5]}  # engine step -> requests added before it
-    results: dict[str, list[int]] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for index in arrivals.get(step, []):
-            engine.add_request(f"r{index}", request(index, budgets[index]), params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-        step += 1
+    requests = {index: request(index, budgets[index]) for index in range(len(budgets))}
+    results = run_arrivals(engine, requests, arrivals, params)
     for index, budget in enumerate(budgets):
-        assert results[f"r{index}"] == expected(llava_dir, index, budget), index
+        assert results[index] == expected(llava_dir, index, budget), index
 
     pruned, stock = calls["pruned step"], calls["step"] - calls["pruned step"]
     assert pruned == 4 and stock >= TOKENS  # requests 0, 1, 3 and 5 arrive in four steps; decodes follow

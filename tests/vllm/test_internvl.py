@@ -16,8 +16,9 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.multimodal.inputs import PlaceholderRange
 
-from priortr.integrations.vllm import models, positions
+from priortr.integrations.vllm import models
 from priortr.integrations.vllm.processor import embedded_run, shrink_prompt
+from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrite
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
@@ -100,28 +101,16 @@ def test_requests_arriving_while_others_decode(llm, internvl_dir):
         (ONE, [tile(14)], {"budget": 2}),
     ]
     arrivals = {0: [0], 2: [1, 2], 5: [3, 4]}  # engine step -> requests added before it
-    results: dict[str, list[int]] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for index in arrivals.get(step, []):
-            engine.add_request(f"r{index}", vllm_request(*cases[index]), params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-        step += 1
+    requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
+    results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
         expected = hf_tokens(internvl_dir, prompt, images, settings_of(images, budget), TOKENS)
-        assert results[f"r{index}"] == expected, index
+        assert results[index] == expected, index
 
 
 def test_wrong_decode_offset_is_caught(llm, internvl_dir, monkeypatch):
     """Negative control: decoding one position off the original positions changes the answer."""
-
-    def shifted(*args, **kwargs):
-        found, delta = positions.request_positions(*args, **kwargs)
-        return found, delta + 1
-
-    monkeypatch.setattr(models, "request_positions", shifted)
+    shift_decode_offset(monkeypatch)
     case = CASES[0]
     out = generate(llm, [case])[0]
     assert list(out.outputs[0].token_ids) != hf_tokens(internvl_dir, *case[:2], SETTINGS, TOKENS)
@@ -130,19 +119,7 @@ def test_wrong_decode_offset_is_caught(llm, internvl_dir, monkeypatch):
 def test_skipped_kv_rewrite_is_caught(llm, internvl_dir, monkeypatch):
     """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values changes the
     answer."""
-    original = models.prefill_prompt
-
-    def without_rewrite(*args, **kwargs):
-        kept = original(*args, **kwargs)
-        return kept.__class__(
-            keys=[k.zero_() for k in kept.keys],
-            values=[v.zero_() for v in kept.values],
-            hidden=kept.hidden,
-            residual=kept.residual,
-            positions=kept.positions,
-        )
-
-    monkeypatch.setattr(models, "prefill_prompt", without_rewrite)
+    skip_kv_rewrite(monkeypatch)
     case = CASES[1]
     out = generate(llm, [case])[0]
     assert list(out.outputs[0].token_ids) != hf_tokens(internvl_dir, *case[:2], SETTINGS, TOKENS)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from vllm import LLM, SamplingParams
 
-from priortr.integrations.vllm import models, positions
+from priortr.integrations.vllm import models
+from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrite
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
@@ -93,52 +94,30 @@ def test_requests_arriving_while_others_decode(llm, llava_dir):
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     arrivals = {0: [0], 2: [1, 2], 5: [3]}  # engine step -> requests added before it
     budgets = [None, {"budget": 2}, {"enabled": False}, {"budget": 6}]
-    results: dict[str, list[int]] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for index in arrivals.get(step, []):
-            engine.add_request(f"r{index}", request(QUESTIONS[index % 3], 10 + index, budgets[index]), params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-        step += 1
+    requests = {
+        index: request(QUESTIONS[index % 3], 10 + index, budgets[index]) for index in range(len(budgets))
+    }
+    results = run_arrivals(engine, requests, arrivals, params)
     for index, budget in enumerate(budgets):
         settings = SETTINGS if budget is None else ({**SETTINGS, **budget} if "budget" in budget else None)
         expected = hf_tokens(
             llava_dir, LLAVA_PROMPT.format(QUESTIONS[index % 3]), [image(28, 10 + index)], settings, TOKENS
         )
-        assert results[f"r{index}"] == expected, index
+        assert results[index] == expected, index
 
 
 def test_wrong_decode_offset_is_caught(llm, llava_dir, monkeypatch):
     """Negative control: decoding one position off the original positions changes the answer."""
-
-    def shifted(*args, **kwargs):
-        found, delta = positions.request_positions(*args, **kwargs)
-        return found, delta + 1
-
-    monkeypatch.setattr(models, "request_positions", shifted)
+    shift_decode_offset(monkeypatch)
     out = generate(llm, [request(QUESTIONS[0], 0)])[0]
     expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
     assert list(out.outputs[0].token_ids) != expected
 
 
 def test_skipped_kv_rewrite_is_caught(llm, llava_dir, monkeypatch):
-    """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values (the
-    placeholders' own are written instead) changes the answer."""
-    original = models.prefill_prompt
-
-    def without_rewrite(*args, **kwargs):
-        kept = original(*args, **kwargs)
-        return kept.__class__(
-            keys=[k.zero_() for k in kept.keys],
-            values=[v.zero_() for v in kept.values],
-            hidden=kept.hidden,
-            residual=kept.residual,
-            positions=kept.positions,
-        )
-
-    monkeypatch.setattr(models, "prefill_prompt", without_rewrite)
+    """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values changes the
+    answer."""
+    skip_kv_rewrite(monkeypatch)
     out = generate(llm, [request(QUESTIONS[0], 0)])[0]
     expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
     assert list(out.outputs[0].token_ids) != expected

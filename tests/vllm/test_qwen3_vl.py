@@ -15,6 +15,7 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models
+from tests.vllm.harness import run_arrivals
 from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
@@ -78,18 +79,11 @@ def test_requests_arriving_while_others_decode(llm, qwen3_vl_dir):
         (ONE, [image(64, 14)], {"budget": 2}),
     ]
     arrivals = {0: [0], 2: [1, 2], 5: [3, 4]}  # engine step -> requests added before it
-    results: dict[str, list[int]] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for index in arrivals.get(step, []):
-            engine.add_request(f"r{index}", vllm_request(*cases[index]), params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-        step += 1
+    requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
+    results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
         expected = hf_tokens(qwen3_vl_dir, prompt, images, settings_of(images, budget), TOKENS)
-        assert results[f"r{index}"] == expected, index
+        assert results[index] == expected, index
 
 
 def test_pruned_prompt_without_deepstack_is_caught(llm, qwen3_vl_dir, monkeypatch):

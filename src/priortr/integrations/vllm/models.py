@@ -27,6 +27,7 @@ adds them to the outputs of the first decoder layers as vLLM's own forward does 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -250,11 +251,38 @@ class PruningModel:
         return self._text.finish(rope, all_hidden, all_residual)
 
 
-class PruningLlava(PruningModel, LlavaForConditionalGeneration):
-    """vLLM's LLaVA-1.5 with priortr (1-D RoPE)."""
+class LinearPositions:
+    """The 1-D RoPE families (LLaVA-1.5, LLaVA-OneVision, InternVL): given vLLM's per-request M-RoPE
+    bookkeeping for a request's positions and decode offset; their layers still get 1-D positions."""
 
     supports_mrope = True
     linear_rope = True
+
+    def _full_positions(
+        self, prompt: list[int], starts: list[int], features: list, others: list
+    ) -> tuple[torch.Tensor, int]:
+        return linear_positions(prompt, starts)
+
+
+class SizedImages:
+    """Families whose image's N follows from the image (tiles, an AnyRes grid): an unpruned image's
+    embedded run is laid out whole; a pruned image keeps K of the N its pixels' fields give
+    (``_image_tokens``; the processor refuses a pruned request sending embeddings instead)."""
+
+    def _image_tokens(self, data: Mapping[str, Any]) -> int:
+        raise NotImplementedError
+
+    def _slots(self, feature: Any) -> ImageSlots:
+        offset, laid_out = embedded_run(feature.mm_position)
+        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
+            return ImageSlots(offset, laid_out, laid_out, (1, laid_out))
+        tokens = self._image_tokens(feature.data)
+        return ImageSlots(offset, laid_out, tokens, (1, tokens))
+
+
+class PruningLlava(LinearPositions, PruningModel, LlavaForConditionalGeneration):
+    """vLLM's LLaVA-1.5 with priortr (1-D RoPE)."""
+
     stock = LlavaForConditionalGeneration
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
@@ -271,13 +299,8 @@ class PruningLlava(PruningModel, LlavaForConditionalGeneration):
         span = feature.mm_position
         return ImageSlots(span.offset, span.length, self._tokens_per_image, (1, self._tokens_per_image))
 
-    def _full_positions(
-        self, prompt: list[int], starts: list[int], features: list, others: list
-    ) -> tuple[torch.Tensor, int]:
-        return linear_positions(prompt, starts)
 
-
-class PruningInternVL(PruningModel, InternS1ForConditionalGeneration):
+class PruningInternVL(LinearPositions, SizedImages, PruningModel, InternS1ForConditionalGeneration):
     """vLLM's InternVL in the Hugging Face format (``InternVLForConditionalGeneration``, which vLLM
     serves with its InternS1 class) with priortr (1-D RoPE, as LLaVA).
 
@@ -287,29 +310,15 @@ class PruningInternVL(PruningModel, InternS1ForConditionalGeneration):
     ``priortr.apply`` prunes it: one budget over the image's tiles, ``</img>`` its separator
     (``priortr.adapters.internvl``)."""
 
-    supports_mrope = True
-    linear_rope = True
     stock = InternS1ForConditionalGeneration
 
-    def _slots(self, feature: Any) -> ImageSlots:
-        offset, kept = embedded_run(feature.mm_position)
-        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
-            return ImageSlots(offset, kept, kept, (1, kept))
-        if "image_num_patches" not in feature.data:
-            raise ValueError(
-                "priortr prunes InternVL images given as pixels, whose tile count comes with them; send "
-                'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
-            )
-        tokens = int(feature.data["image_num_patches"].data) * self.num_image_token
-        return ImageSlots(offset, kept, tokens, (1, tokens))
-
-    def _full_positions(
-        self, prompt: list[int], starts: list[int], features: list, others: list
-    ) -> tuple[torch.Tensor, int]:
-        return linear_positions(prompt, starts)
+    def _image_tokens(self, data: Mapping[str, Any]) -> int:
+        return int(data["image_num_patches"].data) * self.num_image_token
 
 
-class PruningLlavaOnevision(PruningModel, LlavaOnevisionForConditionalGeneration):
+class PruningLlavaOnevision(
+    LinearPositions, SizedImages, PruningModel, LlavaOnevisionForConditionalGeneration
+):
     """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA).
 
     vLLM lays out an image as one run of N ``<image>`` placeholders: its base crop, then its AnyRes tile
@@ -317,27 +326,11 @@ class PruningLlavaOnevision(PruningModel, LlavaOnevisionForConditionalGeneration
     the encoder packs them; the newline rows are visual tokens of the run, pruned like the others, as
     ``priortr.apply`` prunes them (``priortr.adapters.llava_next``), whose ``anyres_tokens`` gives N."""
 
-    supports_mrope = True
-    linear_rope = True
     stock = LlavaOnevisionForConditionalGeneration
 
-    def _slots(self, feature: Any) -> ImageSlots:
-        offset, kept = embedded_run(feature.mm_position)
-        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
-            return ImageSlots(offset, kept, kept, (1, kept))
-        if "image_sizes" not in feature.data:
-            raise ValueError(
-                "priortr prunes LLaVA-OneVision images given as pixels, whose size comes with them; send "
-                'image embeddings with mm_processor_kwargs={"priortr": {"enabled": false}}'
-            )
-        height, width = feature.data["image_sizes"].data.tolist()
-        tokens = self._adapter.anyres_tokens(self.config, height, width)
-        return ImageSlots(offset, kept, tokens, (1, tokens))
-
-    def _full_positions(
-        self, prompt: list[int], starts: list[int], features: list, others: list
-    ) -> tuple[torch.Tensor, int]:
-        return linear_positions(prompt, starts)
+    def _image_tokens(self, data: Mapping[str, Any]) -> int:
+        height, width = data["image_sizes"].data.tolist()
+        return self._adapter.anyres_tokens(self.config, height, width)
 
 
 class QwenPositions:
