@@ -63,6 +63,7 @@ QWEN3_ROPE = {
     "mrope_interleaved": True,
 }
 WEIGHT_STD = 0.08
+WORD_SPECIALS = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": 3, "\n": 4}  # word tokenizers' ids
 QWEN_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
@@ -265,8 +266,7 @@ def llava_onevision(path: str | Path) -> Path:
     )
     model.eval().save_pretrained(path)
     crop = {"height": ONEVISION_CROP, "width": ONEVISION_CROP}
-    special = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": 3, "\n": 4}
-    special |= {"<image>": ONEVISION_IMAGE_ID, "<video>": ONEVISION_VIDEO_ID}
+    special = {**WORD_SPECIALS, "<image>": ONEVISION_IMAGE_ID, "<video>": ONEVISION_VIDEO_ID}
     processor = LlavaOnevisionProcessor(
         image_processor=LlavaOnevisionImageProcessorPil(size=crop, image_grid_pinpoints=pinpoints),
         tokenizer=_word_tokenizer(special, {"image_token": "<image>", "video_token": "<video>"}),
@@ -284,11 +284,7 @@ def llava_onevision(path: str | Path) -> Path:
 def _internvl_tokenizer() -> PreTrainedTokenizerFast:
     """A whitespace word-level tokenizer with InternVL's image tokens at the tiny config's ids."""
     special = {
-        "<pad>": PAD_ID,
-        "<s>": BOS_ID,
-        "</s>": EOS_ID,
-        "<unk>": 3,
-        "\n": 4,
+        **WORD_SPECIALS,
         "<IMG_CONTEXT>": INTERNVL_IMAGE_ID,
         "<img>": INTERNVL_START_ID,
         "</img>": INTERNVL_END_ID,
@@ -343,11 +339,7 @@ def _qwen(
 def _qwen_tokenizer() -> PreTrainedTokenizerFast:
     """A whitespace word-level tokenizer whose vision tokens have the tiny Qwen config's ids."""
     special = {
-        "<pad>": PAD_ID,
-        "<s>": BOS_ID,
-        "</s>": EOS_ID,
-        "<unk>": 3,
-        "\n": 4,
+        **WORD_SPECIALS,
         "<|vision_start|>": QWEN_VISION_START_ID,
         "<|vision_end|>": QWEN_VISION_END_ID,
         "<|video_pad|>": QWEN_VIDEO_ID,

@@ -6,9 +6,30 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, TypeVar
 
+from vllm import SamplingParams
+
 from priortr.integrations.vllm import models, positions
+from tests.vllm.reference import vllm_request
 
 Name = TypeVar("Name", bound=Hashable)
+
+
+ANSWER_TOKENS = 12
+
+
+def generate(llm: Any, cases: list[tuple], tokens: int = ANSWER_TOKENS) -> list:
+    """vLLM's greedy answers of exactly ``tokens`` tokens to ``cases``, each (prompt, images, the
+    request's ``priortr`` setting or None) as ``reference.vllm_request`` takes them."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
+
+
+def apply_settings(settings: dict, images: list, budget: dict | None) -> dict | None:
+    """``priortr.apply``'s settings for a request with ``images`` and the request setting ``budget``
+    on an engine serving ``settings``: None where nothing is pruned."""
+    if not images or budget == {"enabled": False}:
+        return None
+    return {**settings, **(budget or {})}
 
 
 def run_arrivals(

@@ -18,11 +18,18 @@ from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm import models
 from priortr.integrations.vllm.processor import embedded_run, shrink_prompt
-from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrite
+from tests.vllm.harness import (
+    ANSWER_TOKENS,
+    apply_settings,
+    generate,
+    run_arrivals,
+    shift_decode_offset,
+    skip_kv_rewrite,
+)
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
-TOKENS = 12
+TOKENS = ANSWER_TOKENS
 IMAGE = "<IMG_CONTEXT>"
 ONE = f"USER: {IMAGE} what is in the image ASSISTANT:"  # 9 text tokens with <img> and </img>
 TWO = f"USER: {IMAGE} a {IMAGE} what is in the image ASSISTANT:"  # 12
@@ -56,18 +63,6 @@ def llm(internvl_dir):
     del engine
 
 
-def settings_of(images: list, budget: dict | None) -> dict | None:
-    """priortr.apply's settings for a request: None where nothing is pruned."""
-    if not images or budget == {"enabled": False}:
-        return None
-    return {**SETTINGS, **(budget or {})}
-
-
-def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
-
-
 CASES = [
     (ONE, [wide(0)], None),
     (TWO, [square(1), tile(2)], None),  # 80 + 16 tokens share the budget of 8
@@ -81,7 +76,7 @@ def test_one_step_of_images_text_budgets_and_pruning_off(llm, internvl_dir):
     assert llm.apply_model(type) == [models.PruningInternVL]
     outs = generate(llm, CASES)
     for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
-        expected = hf_tokens(internvl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(internvl_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert list(out.outputs[0].token_ids) == expected, index
     assert [len(out.prompt_token_ids) for out in outs] == [9 + 8, 12 + 8, 12 + 12, 9 + 48, 9]
     kept = outs[0].prompt_token_ids
@@ -104,7 +99,7 @@ def test_requests_arriving_while_others_decode(llm, internvl_dir):
     requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
     results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
-        expected = hf_tokens(internvl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(internvl_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert results[index] == expected, index
 
 
@@ -160,7 +155,9 @@ def test_internvl3_5_qwen3_text_model(internvl3_5_dir):
     cases = [CASES[0], CASES[2], CASES[3], CASES[4]]
     outs = generate(engine, cases)
     for index, ((prompt, images, budget), out) in enumerate(zip(cases, outs, strict=True)):
-        expected = hf_tokens(internvl3_5_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(
+            internvl3_5_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS
+        )
         assert list(out.outputs[0].token_ids) == expected, index
     assert hf_tokens(internvl3_5_dir, *cases[0][:2], None, TOKENS) != list(outs[0].outputs[0].token_ids)
     del engine

@@ -12,11 +12,18 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models
-from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrite
+from tests.vllm.harness import (
+    ANSWER_TOKENS,
+    apply_settings,
+    generate,
+    run_arrivals,
+    shift_decode_offset,
+    skip_kv_rewrite,
+)
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
-TOKENS = 12
+TOKENS = ANSWER_TOKENS
 ONE = "USER: <image> what is in the image ASSISTANT:"  # 7 text tokens
 TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
 TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
@@ -34,17 +41,6 @@ def llm(onevision_dir):
     del engine
 
 
-def settings_of(images: list, budget: dict | None) -> dict | None:
-    if not images or budget == {"enabled": False}:
-        return None
-    return {**SETTINGS, **(budget or {})}
-
-
-def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
-
-
 CASES = [
     (ONE, [image(56, 0, height=28)], None),
     (ONE, [image(56, 1)], {"budget": 12}),
@@ -58,7 +54,7 @@ def test_one_step_of_images_text_budgets_and_pruning_off(llm, onevision_dir):
     assert llm.apply_model(type) == [models.PruningLlavaOnevision]
     outs = generate(llm, CASES)
     for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
-        expected = hf_tokens(onevision_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(onevision_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert list(out.outputs[0].token_ids) == expected, index
     assert [len(out.prompt_token_ids) for out in outs] == [7 + 8, 7 + 12, 8 + 8, 7 + 52, 9]
     for case, out in zip(CASES[:3], outs[:3], strict=True):  # pruning changed the answers
@@ -78,7 +74,7 @@ def test_requests_arriving_while_others_decode(llm, onevision_dir):
     requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
     results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
-        expected = hf_tokens(onevision_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(onevision_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert results[index] == expected, index
 
 

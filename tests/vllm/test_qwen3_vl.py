@@ -15,11 +15,11 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models
-from tests.vllm.harness import run_arrivals
+from tests.vllm.harness import ANSWER_TOKENS, apply_settings, generate, run_arrivals
 from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
-TOKENS = 12
+TOKENS = ANSWER_TOKENS
 ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
 TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
 TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
@@ -37,18 +37,6 @@ def llm(qwen3_vl_dir):
     del engine
 
 
-def settings_of(images: list, budget: dict | None) -> dict | None:
-    """priortr.apply's settings for a request: None where nothing is pruned."""
-    if not images or budget == {"enabled": False}:
-        return None
-    return {**SETTINGS, **(budget or {})}
-
-
-def generate(llm: LLM, cases: list[tuple], tokens: int = TOKENS) -> list:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
-
-
 CASES = [
     (ONE, [image(128, 0)], None),
     (TWO, [image(128, 1), image(64, 2)], None),  # 16 + 4 tokens: the budget splits 5 + 1
@@ -62,7 +50,7 @@ def test_one_step_of_images_text_budgets_and_pruning_off(llm, qwen3_vl_dir):
     assert llm.apply_model(type) == [models.PruningQwen3VL]
     outs = generate(llm, CASES)
     for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
-        expected = hf_tokens(qwen3_vl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(qwen3_vl_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert list(out.outputs[0].token_ids) == expected, index
     assert [len(out.prompt_token_ids) for out in outs] == [9 + 6, 12 + 6, 12 + 10, 9 + 16, 9]
     assert hf_tokens(qwen3_vl_dir, *CASES[1][:2], None, TOKENS) != list(outs[1].outputs[0].token_ids)
@@ -82,7 +70,7 @@ def test_requests_arriving_while_others_decode(llm, qwen3_vl_dir):
     requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
     results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
-        expected = hf_tokens(qwen3_vl_dir, prompt, images, settings_of(images, budget), TOKENS)
+        expected = hf_tokens(qwen3_vl_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert results[index] == expected, index
 
 
