@@ -364,7 +364,7 @@ def gemma3(path: str | Path) -> Path:
         image_seq_length=GEMMA3_TOKENS,
     )
     processor.save_pretrained(path)
-    _widen(path, seed=9, vision=("mlp", "self_attn", "mm_input_projection"), clip_names=True)
+    _widen(path, seed=9, vision=("mlp", "self_attn"), clip_names=True)
     return path
 
 
