@@ -1,5 +1,5 @@
-"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL checkpoints that vLLM's CPU
-build can load, built offline.
+"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-OneVision and Gemma 3
+checkpoints that vLLM's CPU build can load, built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -17,6 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
     GotOcr2ImageProcessorPil,
     InternVLConfig,
     InternVLForConditionalGeneration,
@@ -278,6 +282,89 @@ def llava_onevision(path: str | Path) -> Path:
     )
     processor.save_pretrained(path)
     _widen(path, seed=8, vision=("mlp", "self_attn"), clip_names=True)
+    return path
+
+
+GEMMA3_IMAGE = 32  # px: 8x8 SigLIP patches of 4 px, pooled 2x2 to 4x4 = GEMMA3_TOKENS tokens
+GEMMA3_TOKENS = 16
+GEMMA3_WINDOW = 32
+GEMMA3_IMAGE_ID, GEMMA3_START_ID, GEMMA3_END_ID = 199, 198, 197
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def gemma3(path: str | Path) -> Path:
+    """Gemma 3: a 2-layer SigLIP (32-px images of 8x8 patches pooled to ``GEMMA3_TOKENS`` tokens) and a
+    4-layer head_dim-32 text model of sliding (window ``GEMMA3_WINDOW``) and global layers
+    (``GEMMA3_LAYERS``) with their own RoPE bases, q/k norms and ``query_pre_attn_scalar`` 32. An image
+    is ``<start_of_image> <image_soft_token> x 16 <end_of_image>`` with ``\\n\\n`` around it, as
+    ``Gemma3Processor`` writes it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = {
+        **TEXT,
+        "head_dim": 32,
+        "num_hidden_layers": len(GEMMA3_LAYERS),
+        "layer_types": GEMMA3_LAYERS,
+        "sliding_window": GEMMA3_WINDOW,
+        "query_pre_attn_scalar": 32,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 512,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    vision = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": GEMMA3_IMAGE,
+        "patch_size": 4,
+    }
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_TOKENS,
+        boi_token_index=GEMMA3_START_ID,
+        eoi_token_index=GEMMA3_END_ID,
+        image_token_index=GEMMA3_IMAGE_ID,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    # "\n\n" .. "\n\n\n\n" are single tokens, as in Gemma's vocabulary; vLLM's processor looks them up
+    newlines = {"\n" * count: 3 + count for count in (2, 3, 4)}
+    special = {
+        **WORD_SPECIALS,
+        **newlines,
+        "<image_soft_token>": GEMMA3_IMAGE_ID,
+        "<start_of_image>": GEMMA3_START_ID,
+        "<end_of_image>": GEMMA3_END_ID,
+    }
+    images = {
+        "image_token": "<image_soft_token>",
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+    }
+    size = {"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE}
+    tokenizer = _word_tokenizer(special, images)
+    tokenizer.add_tokens(list(newlines))
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size=size),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_TOKENS,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=9, vision=("mlp", "self_attn"), clip_names=True)
     return path
 
 

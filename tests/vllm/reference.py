@@ -52,13 +52,20 @@ def _model(path: str) -> tuple[Any, Any]:
 
 
 def hf_tokens(
-    path: Path, prompt: str, images: list[Image.Image], settings: dict | None, max_tokens: int
+    path: Path,
+    prompt: str,
+    images: list[Image.Image],
+    settings: dict | None,
+    max_tokens: int,
+    withheld: tuple[str, ...] = (),
 ) -> list[int]:
     """Greedy tokens of ``generate()`` on the prompt, pruned by ``priortr.apply(**settings)`` unless
-    ``settings`` is None."""
+    ``settings`` is None; the processor's outputs named in ``withheld`` are not handed to the model."""
     processor, model = _model(str(path))
     kwargs = {"images": images} if images else {}
     inputs = processor(text=prompt, return_tensors="pt", add_special_tokens=False, **kwargs)
+    for name in withheld:
+        inputs.pop(name)
     generate = {"max_new_tokens": max_tokens, "do_sample": False, "eos_token_id": None}
     if settings is None:
         out = model.generate(**inputs, **generate)

@@ -302,3 +302,16 @@ def test_request_processor_kwargs_beside_priortr_are_refused():
     check_request_kwargs(request, {"max_pixels": 4096}, RequestPolicy())  # the operator's own value
     check_request_kwargs(request, {}, RequestPolicy(processor_kwargs=frozenset({"max_pixels"})))
     check_request_kwargs({"priortr": {"budget": 8}}, {}, RequestPolicy())
+
+
+def test_gemma3_is_refused_with_its_reason(gemma3_dir):
+    """Gemma 3 with priortr settings is refused at engine start, naming both reasons (the sliding window
+    counted over cache slots, no bidirectional image masks on CPU: test_gemma3.py shows the second on
+    stock vLLM); without them it starts as vLLM's own model."""
+    with pytest.raises(
+        ValueError,
+        match=r"does not serve Gemma3ForConditionalGeneration \(its sliding-window layers .* cache slots .* "
+        r"bidirectional masks",
+    ):
+        config_of(gemma3_dir)
+    config_of(gemma3_dir, hf_overrides={})

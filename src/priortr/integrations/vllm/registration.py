@@ -73,7 +73,13 @@ UNSERVED = {
         "checked against it; serve the Hugging Face format, InternVLForConditionalGeneration (the "
         "OpenGVLab/*-hf checkpoints)"
     ),
-    "Gemma3ForConditionalGeneration": NOT_YET,
+    "Gemma3ForConditionalGeneration": (
+        "its sliding-window layers would count their window over the request's cache slots in vLLM (text + "
+        "K per image after the cut) but over the prompt's positions in priortr.apply (text + N), so answers "
+        "differ once a request's unpruned length passes the window; and vLLM's CPU attention has no "
+        "bidirectional masks for the tokens of an image (stock vLLM on CPU attends causally within a Gemma 3 "
+        "image, where transformers attends both ways)"
+    ),
     "LlavaNextForConditionalGeneration": NOT_YET,
     "Mistral3ForConditionalGeneration": NOT_YET,
     "Idefics3ForConditionalGeneration": NOT_YET,
