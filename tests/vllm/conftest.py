@@ -67,3 +67,10 @@ def onevision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.llava_onevision(tmp_path_factory.mktemp("llava-onevision"))
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.mistral3(tmp_path_factory.mktemp("mistral3"))

@@ -6,7 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm import ModelRegistry
-from vllm.model_executor.models import interns1, llava, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl
+from vllm.model_executor.models import (
+    interns1,
+    llava,
+    llava_onevision,
+    mistral3,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_vl,
+)
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -20,6 +28,7 @@ from priortr.integrations.vllm.models import (
     PruningInternVL,
     PruningLlava,
     PruningLlavaOnevision,
+    PruningMistral3,
     PruningQwen2_5_VL,
     PruningQwen2VL,
     PruningQwen3VL,
@@ -50,6 +59,11 @@ class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
 
 class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
     """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image."""
+
+
+class Mistral3Processor(PruningProcessor, mistral3.Mistral3MultiModalProcessor):
+    """Mistral 3's processor, pruned requests laid out with K ``[IMG]`` slots per image, its row breaks
+    and ``[IMG_END]`` after them."""
 
 
 def llava_processor(info: object, dummy_inputs: object) -> object:
@@ -122,6 +136,14 @@ FAMILIES = (
         llava_onevision.LlavaOnevisionProcessingInfo,
         llava_onevision.LlavaOnevisionDummyInputsBuilder,
     ),
+    Family(
+        "Mistral3ForConditionalGeneration",
+        PruningMistral3,
+        LinearRopeConfigHook,
+        Mistral3Processor,
+        mistral3.Mistral3ProcessingInfo,
+        mistral3.Mistral3DummyInputsBuilder,
+    ),
 )
 """Every served family, one row each: ``register_all`` registers them all alike."""
 NOT_YET = "no plug-in class wraps its vLLM model yet"
@@ -135,7 +157,6 @@ UNSERVED = {
     ),
     "Gemma3ForConditionalGeneration": NOT_YET,
     "LlavaNextForConditionalGeneration": NOT_YET,
-    "Mistral3ForConditionalGeneration": NOT_YET,
     "Idefics3ForConditionalGeneration": NOT_YET,
     "Glm4vForConditionalGeneration": NOT_YET,
     "Llama4ForConditionalGeneration": NOT_YET,
