@@ -55,6 +55,13 @@ SERVED = [
         "LlavaOnevision",
     ),
     (
+        "llava_next",
+        "LlavaNextForConditionalGeneration",
+        "LlavaNextMultiModalProcessor",
+        "LlavaNextProcessingInfo",
+        "Llava",
+    ),
+    (
         "mistral3",
         "Mistral3ForConditionalGeneration",
         "Mistral3MultiModalProcessor",
@@ -62,7 +69,7 @@ SERVED = [
         "Mistral3",
     ),
 ]
-LINEAR_ROPE = ("llava", "interns1", "llava_onevision", "mistral3")
+LINEAR_ROPE = ("llava", "interns1", "llava_next", "llava_onevision", "mistral3")
 """Served modules of 1-D RoPE models, which have no ``get_mrope_input_positions`` of their own."""
 
 
@@ -174,6 +181,7 @@ NAMES = [
     Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
     Name(f"{MODELS}.interns1", "InternS1ForConditionalGeneration.num_image_token"),
     Name(f"{MODELS}.llava_onevision", "LlavaOnevisionForConditionalGeneration.config"),
+    Name(f"{MODELS}.llava_next", "LlavaNextForConditionalGeneration.config"),
     Name(f"{MODELS}.mistral3", "Mistral3ForConditionalGeneration.config"),
     Name(f"{MODELS}.mistral", "MistralDecoderLayer.ada_rms_norm_t_cond"),
     Name(f"{MODELS}.mistral", "MistralAttention.do_llama_4_scaling"),

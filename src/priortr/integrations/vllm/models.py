@@ -1,5 +1,5 @@
-"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL and Mistral 3 as vLLM serves
-them, pruning visual tokens after decoder layer L.
+"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL and Mistral 3 as
+vLLM serves them, pruning visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -15,8 +15,8 @@ the plug-in's code. The hooks:
   may be several runs (Mistral 3's rows); tokens of its placeholder range outside them (InternVL's
   ``<img>`` and ``</img>``, Mistral 3's row breaks) are text rows;
 * ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); the 1-D
-  RoPE families (LLaVA, LLaVA-OneVision, InternVL, Mistral 3) are given vLLM's per-request M-RoPE
-  bookkeeping for this, their layers still get 1-D positions;
+  RoPE families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, InternVL, Mistral 3) are given vLLM's per-request
+  M-RoPE bookkeeping for this, their layers still get 1-D positions;
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from vllm.model_executor.models.interns1 import InternS1ForConditionalGeneration
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
 from vllm.model_executor.models.llava_onevision import LlavaOnevisionForConditionalGeneration
 from vllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -270,9 +271,9 @@ class PruningModel:
 
 
 class LinearPositions:
-    """The 1-D RoPE families (LLaVA-1.5, LLaVA-OneVision, InternVL, Mistral 3): given vLLM's per-request
-    M-RoPE bookkeeping for a request's positions and decode offset; their layers still get 1-D
-    positions."""
+    """The 1-D RoPE families (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL, Mistral 3): given vLLM's
+    per-request M-RoPE bookkeeping for a request's positions and decode offset; their layers still get
+    1-D positions."""
 
     supports_mrope = True
     linear_rope = True
@@ -340,21 +341,31 @@ class PruningInternVL(LinearPositions, SizedImages, PruningModel, InternS1ForCon
         return int(data["image_num_patches"].data) * self.num_image_token
 
 
-class PruningLlavaOnevision(
-    LinearPositions, SizedImages, PruningModel, LlavaOnevisionForConditionalGeneration
-):
-    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA).
-
-    vLLM lays out an image as one run of N ``<image>`` placeholders: its base crop, then its AnyRes tile
-    grid unpadded to the image's aspect ratio with a learned newline feature after every grid row, as
-    the encoder packs them; the newline rows are visual tokens of the run, pruned like the others, as
-    ``priortr.apply`` prunes them (``priortr.adapters.llava_next``), whose ``anyres_tokens`` gives N."""
-
-    stock = LlavaOnevisionForConditionalGeneration
+class AnyResImages(SizedImages):
+    """LLaVA-NeXT and LLaVA-OneVision: vLLM lays out an image as one run of N ``<image>`` placeholders,
+    its base crop, then its AnyRes tile grid unpadded to the image's aspect ratio with a learned newline
+    feature after every grid row, as the encoder packs them; the newline rows are visual tokens of the
+    run, pruned like the others, as ``priortr.apply`` prunes them (``priortr.adapters.llava_next``),
+    whose ``anyres_tokens`` gives N from the image's size (a CPU-kept field)."""
 
     def _image_tokens(self, data: Mapping[str, Any]) -> int:
         height, width = data["image_sizes"].data.tolist()
         return self._adapter.anyres_tokens(self.config, height, width)
+
+
+class PruningLlavaNext(LinearPositions, AnyResImages, PruningModel, LlavaNextForConditionalGeneration):
+    """vLLM's LLaVA-NeXT with priortr (1-D RoPE, as LLaVA; AnyRes as ``AnyResImages``)."""
+
+    stock = LlavaNextForConditionalGeneration
+
+
+class PruningLlavaOnevision(
+    LinearPositions, AnyResImages, PruningModel, LlavaOnevisionForConditionalGeneration
+):
+    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA; AnyRes as ``AnyResImages``, its tile
+    grid downsampled above ``anyres_max_N``)."""
+
+    stock = LlavaOnevisionForConditionalGeneration
 
 
 class PruningMistral3(LinearPositions, SizedImages, PruningModel, Mistral3ForConditionalGeneration):

@@ -9,6 +9,7 @@ from vllm import ModelRegistry
 from vllm.model_executor.models import (
     interns1,
     llava,
+    llava_next,
     llava_onevision,
     mistral3,
     qwen2_5_vl,
@@ -27,6 +28,7 @@ from priortr.integrations.vllm.config_hooks import (
 from priortr.integrations.vllm.models import (
     PruningInternVL,
     PruningLlava,
+    PruningLlavaNext,
     PruningLlavaOnevision,
     PruningMistral3,
     PruningQwen2_5_VL,
@@ -55,6 +57,10 @@ class Qwen3VLProcessor(PruningProcessor, qwen3_vl.Qwen3VLMultiModalProcessor):
 class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
     """InternVL's processor (Hugging Face format; vLLM's InternS1 processor), pruned requests cut to K
     ``<IMG_CONTEXT>`` placeholders per image between its ``<img>`` and ``</img>``."""
+
+
+class LlavaNextProcessor(PruningProcessor, llava_next.LlavaNextMultiModalProcessor):
+    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image."""
 
 
 class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
@@ -137,6 +143,14 @@ FAMILIES = (
         llava_onevision.LlavaOnevisionDummyInputsBuilder,
     ),
     Family(
+        "LlavaNextForConditionalGeneration",
+        PruningLlavaNext,
+        LinearRopeConfigHook,
+        LlavaNextProcessor,
+        llava_next.LlavaNextProcessingInfo,
+        llava.LlavaDummyInputsBuilder,
+    ),
+    Family(
         "Mistral3ForConditionalGeneration",
         PruningMistral3,
         LinearRopeConfigHook,
@@ -156,7 +170,6 @@ UNSERVED = {
         "OpenGVLab/*-hf checkpoints)"
     ),
     "Gemma3ForConditionalGeneration": NOT_YET,
-    "LlavaNextForConditionalGeneration": NOT_YET,
     "Idefics3ForConditionalGeneration": NOT_YET,
     "Glm4vForConditionalGeneration": NOT_YET,
     "Llama4ForConditionalGeneration": NOT_YET,
