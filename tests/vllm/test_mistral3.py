@@ -12,12 +12,15 @@ position off, the kept tokens' keys/values not written) and the answer must then
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm import LLM, SamplingParams
 from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm import models
+from priortr.integrations.vllm.decoder import check_options
 from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions, row_breaks
 from priortr.integrations.vllm.processor import embedded_tokens, shrink_prompt
 from priortr.integrations.vllm.registration import UNSERVED
@@ -173,3 +176,19 @@ def test_positions_put_the_row_breaks_back_between_the_rows():
     assert positions[0].tolist() == [0, 6, 6, 3, 6, 7]
     assert positions[1, 1:3].tolist() == [2, 2] and positions[2, 1:3].tolist() == [2, 2]
     assert delta == 2
+
+
+def test_ministral3_query_scaling_is_refused():
+    """Ministral 3's text model scales queries by position (Llama 4's scaling, vLLM's MistralAttention
+    ``do_llama_4_scaling``), which the plug-in's layer steps do not run: refused when the model loads,
+    not served with unscaled queries; a Mistral layer without it (Mistral Small 3.1) loads."""
+
+    def layer(scaling: bool, t_cond: object = None) -> SimpleNamespace:
+        attention = SimpleNamespace(do_llama_4_scaling=scaling)
+        return SimpleNamespace(self_attn=attention, ada_rms_norm_t_cond=t_cond)
+
+    with pytest.raises(ValueError, match=r"query scaling \(llama_4_scaling"):
+        check_options(layer(True))
+    with pytest.raises(ValueError, match="ada_rms_norm_t_cond"):
+        check_options(layer(False, t_cond=torch.nn.Identity()))
+    check_options(layer(False))
