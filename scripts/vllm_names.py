@@ -54,8 +54,22 @@ SERVED = [
         "LlavaOnevisionProcessingInfo",
         "LlavaOnevision",
     ),
+    (
+        "llava_next",
+        "LlavaNextForConditionalGeneration",
+        "LlavaNextMultiModalProcessor",
+        "LlavaNextProcessingInfo",
+        "Llava",
+    ),
+    (
+        "mistral3",
+        "Mistral3ForConditionalGeneration",
+        "Mistral3MultiModalProcessor",
+        "Mistral3ProcessingInfo",
+        "Mistral3",
+    ),
 ]
-LINEAR_ROPE = ("llava", "interns1", "llava_onevision")
+LINEAR_ROPE = ("llava", "interns1", "llava_next", "llava_onevision", "mistral3")
 """Served modules of 1-D RoPE models, which have no ``get_mrope_input_positions`` of their own."""
 
 
@@ -167,6 +181,10 @@ NAMES = [
     Name(f"{MODELS}.qwen3_vl", "Qwen3VLDecoderLayer"),
     Name(f"{MODELS}.interns1", "InternS1ForConditionalGeneration.num_image_token"),
     Name(f"{MODELS}.llava_onevision", "LlavaOnevisionForConditionalGeneration.config"),
+    Name(f"{MODELS}.llava_next", "LlavaNextForConditionalGeneration.config"),
+    Name(f"{MODELS}.mistral3", "Mistral3ForConditionalGeneration.config"),
+    Name(f"{MODELS}.mistral", "MistralDecoderLayer.ada_rms_norm_t_cond"),
+    Name(f"{MODELS}.mistral", "MistralAttention.do_llama_4_scaling"),
     Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.mm_position"),
     Name(
         f"{MODELS}.qwen3_vl", "Qwen3VLForConditionalGeneration._get_deepstack_input_embeds", ("num_tokens",)

@@ -1,5 +1,5 @@
-"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-OneVision and Gemma 3
-checkpoints that vLLM's CPU build can load, built offline.
+"""Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-OneVision, LLaVA-NeXT,
+Mistral 3 and Gemma 3 checkpoints that vLLM's CPU build can load, built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -26,11 +26,21 @@ from transformers import (
     InternVLForConditionalGeneration,
     InternVLProcessor,
     InternVLVideoProcessor,
+    LlamaConfig,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
     LlavaOnevisionConfig,
     LlavaOnevisionForConditionalGeneration,
     LlavaOnevisionImageProcessorPil,
     LlavaOnevisionProcessor,
     LlavaOnevisionVideoProcessor,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    MistralConfig,
+    PixtralImageProcessorPil,
+    PixtralProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLProcessor,
     Qwen2Config,
@@ -56,6 +66,7 @@ from tests.helpers.tiny import (
     tiny_qwen2_vl,
 )
 from tests.helpers.tiny_internvl_smolvlm import INTERNVL_END_ID, INTERNVL_IMAGE_ID, INTERNVL_START_ID
+from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -282,6 +293,138 @@ def llava_onevision(path: str | Path) -> Path:
     )
     processor.save_pretrained(path)
     _widen(path, seed=8, vision=("mlp", "self_attn"), clip_names=True)
+    return path
+
+
+NEXT_CROP, NEXT_PATCH = 28, 7  # 4x4 patches per crop
+NEXT_IMAGE_ID = 199
+
+
+def llava_next(path: str | Path) -> Path:
+    """LLaVA-NeXT: a 2-layer CLIP (head_dim 32, 28-px crops of 4x4 patches, [CLS] dropped) and a 4-layer
+    head_dim-32 Llama; AnyRes pinpoints of 1..2 x 1..2 crops: a 28x28 image is its base crop (16) + one
+    4x4 crop with 4 newlines (36 tokens), 56x28 (w x h) 16 + 4x8 + 4 (52), 56x56 16 + 8x8 + 8 (88)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vision = {
+        "model_type": "clip_vision_model",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": NEXT_CROP,
+        "patch_size": NEXT_PATCH,
+        "projection_dim": 64,
+    }
+    text = LlamaConfig(
+        **TEXT,
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    pinpoints = [[NEXT_CROP * i, NEXT_CROP * j] for i in (1, 2) for j in (1, 2)]
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=NEXT_IMAGE_ID,
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=(NEXT_CROP // NEXT_PATCH) ** 2,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    crop = {"height": NEXT_CROP, "width": NEXT_CROP}
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(
+            size={"shortest_edge": NEXT_CROP}, crop_size=crop, image_grid_pinpoints=pinpoints
+        ),
+        tokenizer=_word_tokenizer({**WORD_SPECIALS, "<image>": NEXT_IMAGE_ID}, {"image_token": "<image>"}),
+        patch_size=NEXT_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=QWEN_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=10, vision=("mlp", "self_attn"), clip_names=True)
+    return path
+
+
+MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST = 8, 2, 64
+MISTRAL3_TOKEN_PIXELS = MISTRAL3_PATCH * MISTRAL3_MERGE  # one visual token covers 16 x 16 pixels
+
+
+def mistral3(path: str | Path) -> Path:
+    """Mistral 3: a 2-layer Pixtral tower (head_dim 32, 8-px patches merged 2 x 2: one token per 16 x 16
+    px, native aspect ratio, longest edge 64 px) and a 4-layer head_dim-32 Mistral; an image of
+    ``H x W`` px (multiples of 16) is ``H / 16`` rows of ``W / 16`` ``[IMG]`` tokens, a row break after
+    each row and ``[IMG_END]`` last: 32 x 48 is 2 x 3 tokens, 64 x 32 is 4 x 2, 64 x 64 is 4 x 4."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "image_size": MISTRAL3_LONGEST,
+        "patch_size": MISTRAL3_PATCH,
+    }
+    text = MistralConfig(
+        **TEXT,
+        head_dim=TEXT["hidden_size"] // TEXT["num_attention_heads"],
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        sliding_window=None,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=MISTRAL3_IMAGE_ID,
+        spatial_merge_size=MISTRAL3_MERGE,
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=False,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    special = {
+        **WORD_SPECIALS,
+        "[IMG]": MISTRAL3_IMAGE_ID,
+        "[IMG_BREAK]": MISTRAL3_BREAK_ID,
+        "[IMG_END]": MISTRAL3_END_ID,
+    }
+    names = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessorPil(
+            size={"longest_edge": MISTRAL3_LONGEST},
+            patch_size={"height": MISTRAL3_TOKEN_PIXELS, "width": MISTRAL3_TOKEN_PIXELS},
+        ),
+        tokenizer=_word_tokenizer(special, names),
+        patch_size=MISTRAL3_PATCH,
+        spatial_merge_size=MISTRAL3_MERGE,
+        chat_template=QWEN_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=9, vision=("attention", "feed_forward"))
     return path
 
 

@@ -74,3 +74,17 @@ def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+@pytest.fixture(scope="session")
+def llava_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.llava_next(tmp_path_factory.mktemp("llava-next"))

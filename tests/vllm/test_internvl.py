@@ -17,7 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm import models
-from priortr.integrations.vllm.processor import embedded_run, shrink_prompt
+from priortr.integrations.vllm.processor import embedded_tokens, shrink_prompt
 from tests.vllm.harness import (
     ANSWER_TOKENS,
     apply_settings,
@@ -176,7 +176,7 @@ def test_shrink_keeps_the_text_inside_a_range():
         PlaceholderRange(offset=8, length=4, is_embed=mask("teet")),
         PlaceholderRange(offset=1, length=6, is_embed=mask("teeeet")),
     ]
-    assert [embedded_run(span) for span in ranges] == [(9, 2), (2, 4)]
+    assert [embedded_tokens(span) for span in ranges] == [(9, 2), (2, 4)]
     short, new = shrink_prompt(prompt, ranges, [2, 1])
     assert short == [5, 198, 199, 197, 6, 198, 199, 199, 197, 7]
     assert [(span.offset, span.length, span.is_embed.tolist()) for span in new] == [
@@ -185,10 +185,3 @@ def test_shrink_keeps_the_text_inside_a_range():
     ]
     plain, _ = shrink_prompt([5, 199, 199, 199, 6], [PlaceholderRange(offset=1, length=3)], [2])
     assert plain == [5, 199, 199, 6]
-
-
-def test_interleaved_embeddings_are_refused():
-    """An image whose embedded tokens are not one run (Mistral 3's row breaks inside the range) is
-    refused with the setting that serves it unpruned, not cut at the wrong tokens."""
-    with pytest.raises(ValueError, match=r"interleave text .*\"enabled\": false"):
-        embedded_run(PlaceholderRange(offset=0, length=5, is_embed=mask("eetee")))

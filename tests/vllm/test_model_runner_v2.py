@@ -102,7 +102,13 @@ def planned(model, tokens: list[int], positions: torch.Tensor, features: list) -
     ]
     step = StepInputs(tokens, images)
     (prompt,) = plan_step(
-        step, positions.tolist(), [0, len(tokens)], [len(tokens)], model._image_token, model.linear_rope
+        step,
+        positions.tolist(),
+        [0, len(tokens)],
+        [len(tokens)],
+        model._image_token,
+        model.linear_rope,
+        model.image_row_breaks,
     )
     return prompt
 

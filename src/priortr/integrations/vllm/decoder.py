@@ -2,13 +2,15 @@
 layer taken apart into the steps a pruned prefill runs separately, the batch facts read from vLLM's
 attention metadata, and the one collective a pruned prefill adds under tensor parallelism.
 
-vLLM's Llama, Qwen2, Qwen3 and Qwen3-VL decoder layers (LLaVA-1.5's, Qwen2/2.5-VL's, InternVL's and
-Qwen3-VL's language models) are ``input_layernorm -> self_attn (qkv_proj, rotary_emb, attn, o_proj) ->
-post_attention_layernorm -> mlp`` with a fused residual, called as ``layer(positions, hidden, residual)``,
-and the language model ends in a norm that takes the residual too; Qwen3's and Qwen3-VL's attention
-applies an RMSNorm to each head of q and k before RoPE (``q_norm`` / ``k_norm``, as vLLM's
-``Qwen3Attention.forward``). A layer of another shape is refused when the model loads, with its type
-named.
+vLLM's Llama, Mistral, Qwen2, Qwen3 and Qwen3-VL decoder layers (LLaVA-1.5's, Mistral 3's,
+Qwen2/2.5-VL's, InternVL's and Qwen3-VL's language models) are ``input_layernorm -> self_attn
+(qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp`` with a fused residual, called
+as ``layer(positions, hidden, residual)``, and the language model ends in a norm that takes the
+residual too; Qwen3's and Qwen3-VL's attention applies an RMSNorm to each head of q and k before RoPE
+(``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward``). vLLM's Mistral layer is Llama's with
+two options the plug-in refuses: Llama 4's position-dependent query scaling (``llama_4_scaling``,
+Ministral 3's text model) and a time-conditioned norm (``ada_rms_norm_t_cond``). A layer of another
+shape is refused when the model loads, with its type named.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from vllm.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context
 
 KNOWN_LAYERS = frozenset(
-    {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3VLDecoderLayer"}
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "Qwen3VLDecoderLayer",
+    }
 )
 QK_NORM_LAYERS = frozenset({"Qwen3DecoderLayer", "Qwen3VLDecoderLayer"})
 """The known layers whose attention normalises each head of q and k before RoPE (``q_norm``, ``k_norm``)."""
@@ -51,6 +59,7 @@ class LayerParts:
                 f"{', '.join(sorted(QK_NORM_LAYERS))}); this model's decoder layer is "
                 f"{name}{' lacking ' + ', '.join(missing) if missing else ''}"
             )
+        check_options(layer)
         check_backend(attention.attn)
         self.layer = layer
         self.module = attention
@@ -145,6 +154,21 @@ class TextModel:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self._norm(hidden, residual)
         return hidden
+
+
+def check_options(layer: torch.nn.Module) -> None:
+    """Refuse, when the model loads, a Mistral layer option that ``LayerParts`` does not run: Llama 4's
+    query scaling by position (Ministral 3), a time-conditioned norm after attention."""
+    if getattr(layer.self_attn, "do_llama_4_scaling", False):
+        raise ValueError(
+            "priortr's vLLM plug-in does not run Llama 4's position-dependent query scaling "
+            "(llama_4_scaling in the text config, as Ministral 3's); serve the model without priortr"
+        )
+    if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
+        raise ValueError(
+            "priortr's vLLM plug-in does not run a time-conditioned norm (ada_rms_norm_t_cond in the text "
+            "config); serve the model without priortr"
+        )
 
 
 def check_backend(attention: torch.nn.Module) -> None:

@@ -1,5 +1,5 @@
-"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL as vLLM serves them, pruning
-visual tokens after decoder layer L.
+"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL and Mistral 3 as
+vLLM serves them, pruning visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -10,12 +10,13 @@ the plug-in's code. The hooks:
   by the image, not by the request, and K depends on the request); an unpruned image's rows stay as
   vLLM lays them out;
 * ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
-  as vLLM merges it. An image is the run of placeholders that take its embeddings (vLLM's
-  ``is_multimodal`` rows); tokens of its placeholder range outside that run (InternVL's ``<img>`` and
-  ``</img>``) are text rows;
+  as vLLM merges it. An image is the placeholders that take its embeddings (vLLM's ``is_multimodal``
+  rows): a pruned image's K slots are one run (``processor.shrink_prompt``), an unpruned image's rows
+  may be several runs (Mistral 3's rows); tokens of its placeholder range outside them (InternVL's
+  ``<img>`` and ``</img>``, Mistral 3's row breaks) are text rows;
 * ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); the 1-D
-  RoPE families (LLaVA, LLaVA-OneVision, InternVL) are given vLLM's per-request M-RoPE bookkeeping for
-  this, their layers still get 1-D positions;
+  RoPE families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, InternVL, Mistral 3) are given vLLM's per-request
+  M-RoPE bookkeeping for this, their layers still get 1-D positions;
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
@@ -34,7 +35,9 @@ from typing import Any
 import torch
 from vllm.model_executor.models.interns1 import InternS1ForConditionalGeneration
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
 from vllm.model_executor.models.llava_onevision import LlavaOnevisionForConditionalGeneration
+from vllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -42,7 +45,7 @@ from vllm.model_executor.models.vision import get_num_selected_vision_tokens, ge
 
 from priortr.adapters import adapter_for_type
 from priortr.integrations.vllm.decoder import TextModel, batch_layout
-from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
+from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions, row_breaks
 from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
     PrunedPrompt,
@@ -51,7 +54,7 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, embedded_run, served_config
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, embedded_tokens, served_config
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -85,6 +88,9 @@ class PruningModel:
 
     linear_rope = False
     """True for a 1-D RoPE family served through vLLM's M-RoPE bookkeeping (LLaVA)."""
+    image_row_breaks = False
+    """True for a family that lays out an image as rows of visual tokens with a text token after every
+    row but the last (Mistral 3's ``[IMG_BREAK]``; ``positions.row_breaks``)."""
     stock: type
     """vLLM's own class, built instead for a model config without ``priortr`` settings."""
 
@@ -127,15 +133,20 @@ class PruningModel:
         if not multimodal_embeddings:
             return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
         width = self._encoder_width()
-        items = [packed.view(-1, width) for packed in multimodal_embeddings]  # [N, W] or the step's [n, W]
         images, runs = [], iter(image_runs(is_multimodal))
-        row, end = next(runs)
-        for embeddings in items:
-            if row == end:
-                row, end = next(runs)
-            kept = min(embeddings.shape[0], end - row)
-            images.append(StepImage(row, kept, embeddings))
-            row += kept
+        row = end = 0
+        for packed in multimodal_embeddings:  # a pruned request's image [1, N * W], else the step's [n, W]
+            embeddings = packed.view(-1, width)
+            first, taken = None, 0
+            while taken < embeddings.shape[0]:
+                if row == end:
+                    row, end = next(runs)
+                first = row if first is None else first
+                rows = min(embeddings.shape[0] - taken, end - row)
+                row, taken = row + rows, taken + rows
+                if packed.shape[0] == 1:  # its K slots are one run
+                    break
+            images.append(StepImage(first, taken, embeddings))
         if any(image.pruned for image in images):
             self._step = StepInputs(input_ids.tolist(), images)
         merged = [image.embeddings[: image.kept] for image in images]
@@ -186,7 +197,15 @@ class PruningModel:
         """One step holding pruned prompts: see the module docstring."""
         injected = self._step_injections(inputs_embeds.shape[0])
         starts, seq_lens = batch_layout(self._text.scored[0])
-        prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.linear_rope)
+        prompts = plan_step(
+            step,
+            positions.tolist(),
+            starts,
+            seq_lens,
+            self._image_token,
+            self.linear_rope,
+            self.image_row_breaks,
+        )
         kept = [
             prefill_prompt(
                 prompt,
@@ -252,8 +271,9 @@ class PruningModel:
 
 
 class LinearPositions:
-    """The 1-D RoPE families (LLaVA-1.5, LLaVA-OneVision, InternVL): given vLLM's per-request M-RoPE
-    bookkeeping for a request's positions and decode offset; their layers still get 1-D positions."""
+    """The 1-D RoPE families (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL, Mistral 3): given vLLM's
+    per-request M-RoPE bookkeeping for a request's positions and decode offset; their layers still get
+    1-D positions."""
 
     supports_mrope = True
     linear_rope = True
@@ -265,19 +285,24 @@ class LinearPositions:
 
 
 class SizedImages:
-    """Families whose image's N follows from the image (tiles, an AnyRes grid): an unpruned image's
-    embedded run is laid out whole; a pruned image keeps K of the N its pixels' fields give
-    (``_image_tokens``; the processor refuses a pruned request sending embeddings instead)."""
+    """Families whose image's N follows from the image (tiles, an AnyRes grid, Pixtral's native size):
+    an unpruned image's embedded tokens are laid out whole; a pruned image keeps K of the N its pixels'
+    fields give (``_image_grid``; the processor refuses a pruned request sending embeddings instead)."""
 
     def _image_tokens(self, data: Mapping[str, Any]) -> int:
         raise NotImplementedError
 
+    def _image_grid(self, data: Mapping[str, Any]) -> tuple[int, int]:
+        """(rows, columns) of an image's N tokens as the family lays them out; one row by default."""
+        return 1, self._image_tokens(data)
+
     def _slots(self, feature: Any) -> ImageSlots:
-        offset, laid_out = embedded_run(feature.mm_position)
+        offset, laid_out = embedded_tokens(feature.mm_position)
         if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
             return ImageSlots(offset, laid_out, laid_out, (1, laid_out))
-        tokens = self._image_tokens(feature.data)
-        return ImageSlots(offset, laid_out, tokens, (1, tokens))
+        grid = self._image_grid(feature.data)
+        breaks = row_breaks(grid) if self.image_row_breaks else ()
+        return ImageSlots(offset, laid_out, grid[0] * grid[1], grid, breaks)
 
 
 class PruningLlava(LinearPositions, PruningModel, LlavaForConditionalGeneration):
@@ -316,21 +341,51 @@ class PruningInternVL(LinearPositions, SizedImages, PruningModel, InternS1ForCon
         return int(data["image_num_patches"].data) * self.num_image_token
 
 
-class PruningLlavaOnevision(
-    LinearPositions, SizedImages, PruningModel, LlavaOnevisionForConditionalGeneration
-):
-    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA).
-
-    vLLM lays out an image as one run of N ``<image>`` placeholders: its base crop, then its AnyRes tile
-    grid unpadded to the image's aspect ratio with a learned newline feature after every grid row, as
-    the encoder packs them; the newline rows are visual tokens of the run, pruned like the others, as
-    ``priortr.apply`` prunes them (``priortr.adapters.llava_next``), whose ``anyres_tokens`` gives N."""
-
-    stock = LlavaOnevisionForConditionalGeneration
+class AnyResImages(SizedImages):
+    """LLaVA-NeXT and LLaVA-OneVision: vLLM lays out an image as one run of N ``<image>`` placeholders,
+    its base crop, then its AnyRes tile grid unpadded to the image's aspect ratio with a learned newline
+    feature after every grid row, as the encoder packs them; the newline rows are visual tokens of the
+    run, pruned like the others, as ``priortr.apply`` prunes them (``priortr.adapters.llava_next``),
+    whose ``anyres_tokens`` gives N from the image's size (a CPU-kept field)."""
 
     def _image_tokens(self, data: Mapping[str, Any]) -> int:
         height, width = data["image_sizes"].data.tolist()
         return self._adapter.anyres_tokens(self.config, height, width)
+
+
+class PruningLlavaNext(LinearPositions, AnyResImages, PruningModel, LlavaNextForConditionalGeneration):
+    """vLLM's LLaVA-NeXT with priortr (1-D RoPE, as LLaVA; AnyRes as ``AnyResImages``)."""
+
+    stock = LlavaNextForConditionalGeneration
+
+
+class PruningLlavaOnevision(
+    LinearPositions, AnyResImages, PruningModel, LlavaOnevisionForConditionalGeneration
+):
+    """vLLM's LLaVA-OneVision with priortr (1-D RoPE, as LLaVA; AnyRes as ``AnyResImages``, its tile
+    grid downsampled above ``anyres_max_N``)."""
+
+    stock = LlavaOnevisionForConditionalGeneration
+
+
+class PruningMistral3(LinearPositions, SizedImages, PruningModel, Mistral3ForConditionalGeneration):
+    """vLLM's Mistral 3 (Pixtral tower; Mistral Small 3.1 / 3.2) with priortr (1-D RoPE, as LLaVA).
+
+    vLLM lays out an image of ``rows x cols`` tokens as ``PixtralProcessor`` writes it, ``[IMG] x cols``
+    then ``[IMG_BREAK]`` per row, the last break replaced by ``[IMG_END]``: one placeholder range whose
+    ``is_embed`` mask marks the ``[IMG]`` tokens. ``priortr.apply`` prunes the ``[IMG]`` tokens only, one
+    budget per image, ``[IMG_END]`` its separator, the row breaks kept as text
+    (``priortr.adapters.mistral3``); so does the plug-in (``image_row_breaks``). The grid comes from the
+    image's pixels, which vLLM's processor crops to the image's resized size, a whole number of tokens
+    (``patch_size * spatial_merge_size`` px each) on each side."""
+
+    stock = Mistral3ForConditionalGeneration
+    image_row_breaks = True
+
+    def _image_grid(self, data: Mapping[str, Any]) -> tuple[int, int]:
+        height, width = data["pixel_values"].data.shape[-2:]
+        pixels = self.config.vision_config.patch_size * self.config.spatial_merge_size
+        return height // pixels, width // pixels
 
 
 class QwenPositions:

@@ -30,12 +30,24 @@ FullPositions = Callable[[list[int], Sequence[int]], tuple[torch.Tensor, int]]
 @dataclass(frozen=True)
 class ImageSlots:
     """One image of a request: where its placeholders start in the scheduled prompt, how many it has
-    (K), how many tokens the image has (N) and its grid of merged patches (height, width)."""
+    (K), how many tokens the image has (N), its grid of merged patches (height, width), and the text
+    tokens inside its layout: for each, how many of the image's N tokens come before it (Mistral 3's
+    row breaks, ``row_breaks``; none for the other families). A pruned request's prompt has those text
+    tokens right after the K slots (``processor.shrink_prompt``)."""
 
     offset: int
     kept: int
     tokens: int
     grid: tuple[int, int]
+    breaks: tuple[int, ...] = ()
+
+
+def row_breaks(grid: tuple[int, int]) -> tuple[int, ...]:
+    """The text tokens inside an image laid out as ``grid`` rows of visual tokens with a row break
+    after every row but the last (Mistral 3: ``[IMG_BREAK]``; ``[IMG_END]`` after the last row is the
+    text after the image), as ``ImageSlots.breaks`` counts them."""
+    height, width = grid
+    return tuple(range(width, height * width, width))
 
 
 def request_positions(
@@ -66,8 +78,15 @@ def request_positions(
         full += prompt[cursor : image.offset]
         starts.append(len(full))
         source += [-1] * image.kept
-        full += [token_id] * image.tokens
         cursor = image.offset + image.kept
+        placed = 0
+        for before in image.breaks:  # the text tokens inside the image follow its K slots
+            full += [token_id] * (before - placed)
+            placed = before
+            source.append(len(full))
+            full.append(prompt[cursor])
+            cursor += 1
+        full += [token_id] * (image.tokens - placed)
     source += range(len(full), len(full) + len(prompt) - cursor)
     full += prompt[cursor:]
     positions, _ = full_positions(full, starts)

@@ -8,7 +8,9 @@ library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's a
 (``priortr.engine.attention.attention_rows``) feed the stage core ``priortr.apply`` runs
 (``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
-layers 0..L, their hidden state after layer L and their original positions.
+layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
+(Mistral 3's row breaks) is scheduled right after the image's K slots (``processor.shrink_prompt``) and
+put back between the image's rows in the full prompt, where the library scores and keeps it as text.
 
 An image's encoder rows are [N, D * (1 + J)]: its N embeddings, then (Qwen3-VL's DeepStack, J > 0) the
 features the language model adds to the outputs of decoder layers 0..J-1 at the image's tokens, as
@@ -31,7 +33,7 @@ from priortr.engine.plan import plan_prefill
 from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
 from priortr.integrations.vllm.decoder import LayerParts
-from priortr.integrations.vllm.positions import image_positions
+from priortr.integrations.vllm.positions import image_positions, row_breaks
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class PrunedPrompt:
     them, in a re-prefill after preemption, are generated tokens run as usual); ``token_ids``,
     ``positions`` [3, S]: the full prompt (N tokens per image) and its positions; ``text_columns`` /
     ``text_rows``: its text tokens' indices in the full prompt and their batch rows; ``images``: each
-    image's first column in the full prompt and its embeddings; ``counts``: tokens each image keeps."""
+    image's columns in the full prompt [N] and its embeddings; ``counts``: tokens each image keeps."""
 
     start: int
     length: int
@@ -74,7 +76,7 @@ class PrunedPrompt:
     positions: torch.Tensor
     text_columns: torch.Tensor
     text_rows: torch.Tensor
-    images: list[tuple[int, torch.Tensor]]
+    images: list[tuple[torch.Tensor, torch.Tensor]]
     counts: list[int]
 
 
@@ -97,8 +99,10 @@ def plan_step(
     seq_lens: list[int],
     image_token: int,
     linear: bool,
+    image_row_breaks: bool,
 ) -> list[PrunedPrompt]:
-    """The step's pruned prompts from host copies of its positions [3][T] and request layout."""
+    """The step's pruned prompts from host copies of its positions [3][T] and request layout;
+    ``image_row_breaks``: the family writes a text token after each image row but the last (Mistral 3)."""
     prompts = []
     images = iter(step.images)
     pending = next(images, None)
@@ -115,7 +119,8 @@ def plan_step(
                 "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
                 "the plug-in's scheduler (PruningScheduler) never does; is another --scheduler-cls set?"
             )
-        prompts.append(_plan_prompt(step, positions, start, length, own, image_token, linear))
+        prompt = _plan_prompt(step, positions, start, length, own, image_token, linear, image_row_breaks)
+        prompts.append(prompt)
     return prompts
 
 
@@ -127,14 +132,15 @@ def _plan_prompt(
     images: list[StepImage],
     image_token: int,
     linear: bool,
+    image_row_breaks: bool,
 ) -> PrunedPrompt:
     """One pruned request's full prompt of ``length`` tokens, read back from its scheduled rows and
-    their records."""
+    their records; an image's row breaks (``image_row_breaks``) are the rows after its K slots."""
     token_ids: list[int] = []
     columns: list[torch.Tensor] = []
     text_columns: list[int] = []
     text_rows: list[int] = []
-    placed: list[tuple[int, torch.Tensor]] = []
+    placed: list[tuple[torch.Tensor, torch.Tensor]] = []
     row = start
     for image in images:
         for r in range(row, image.row):
@@ -147,10 +153,20 @@ def _plan_prompt(
         n_tokens = image.embeddings.shape[0]
         if grid[0] * grid[1] != n_tokens:
             raise RuntimeError(f"priortr: an image's record says {grid} tokens, its encoder gave {n_tokens}")
-        placed.append((len(token_ids), image.embeddings))
-        token_ids += [image_token] * n_tokens
-        columns.append(image_positions(base, grid, linear))
-        row = image.row + image.kept
+        breaks = row_breaks(grid) if image_row_breaks else ()
+        if breaks and not linear:
+            raise RuntimeError("priortr: row breaks inside an image are laid out for 1-D RoPE only")
+        first, inside = len(token_ids), image.row + image.kept  # inside: the row of its first break
+        columns_of_breaks = [first + before + index for index, before in enumerate(breaks)]
+        token_ids += [image_token] * (n_tokens + len(breaks))
+        for column, r in zip(columns_of_breaks, range(inside, inside + len(breaks)), strict=True):
+            token_ids[column] = step.input_ids[r]
+            text_columns.append(column)
+            text_rows.append(r)
+        embedded = sorted(set(range(first, len(token_ids))) - set(columns_of_breaks))
+        placed.append((torch.tensor(embedded, dtype=torch.long), image.embeddings))
+        columns.append(image_positions(base, (1, len(token_ids) - first) if breaks else grid, linear))
+        row = inside + len(breaks)
     for r in range(row, start + length):
         text_columns.append(len(token_ids))
         text_rows.append(r)
@@ -185,13 +201,12 @@ def prefill_prompt(
     hidden[prompt.text_columns.to(device)] = inputs_embeds[prompt.text_rows.to(device)]
     levels = prompt.images[0][1].shape[1] // width - 1  # J DeepStack features per token
     injected = inputs_embeds.new_zeros(levels, length, width)  # [J, S, D]: zero at text tokens
-    for column, embeddings in prompt.images:
+    for columns, embeddings in prompt.images:
         rows = embeddings.to(hidden.dtype)
-        hidden[column : column + rows.shape[0]] = rows[:, :width]
+        index = columns.to(device)
+        hidden.index_copy_(0, index, rows[:, :width])
         if levels:
-            injected[:, column : column + rows.shape[0]] = (
-                rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1)
-            )
+            injected.index_copy_(1, index, rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1))
     positions = prompt.positions.to(device)  # [3, S]
     rope_positions = positions[0] if linear else positions
     residual = None

@@ -7,7 +7,8 @@ also refuses a prompt the method cannot score, e.g. an image with no instruction
 paged cache of every layer holds text + K tokens per image. The N encoder rows still reach the model
 (``models.py`` packs them), which computes layers 0..L on all of them once and keeps K. Tokens of an
 image's placeholder range that take no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and
-``</img>``) are text to the library and stay in the prompt (``embedded_run``).
+``</img>``, Mistral 3's row breaks and end marker) are text to the library and stay in the prompt
+(``shrink_prompt``).
 """
 
 from __future__ import annotations
@@ -65,48 +66,52 @@ def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> lis
     return [min(pool.stages[config.layer], pool.size) for pool in host.pools]
 
 
-def embedded_run(span: PlaceholderRange) -> tuple[int, int]:
+def embedded_tokens(span: PlaceholderRange) -> tuple[int, int]:
     """(prompt index of the first token of ``span`` that takes the image's embeddings, how many do).
 
     vLLM's placeholder range of an image may hold tokens that stay text, its ``is_embed`` mask marking
-    the ones that take embeddings (InternVL: ``<img>`` and ``</img>`` around the ``<IMG_CONTEXT>`` run);
-    those text tokens are never pruned, as the family's Hugging Face adapter decides. The embedded
-    tokens must be one run (a range without a mask is one run of them all)."""
+    the ones that take embeddings: InternVL's ``<img>`` and ``</img>`` around the ``<IMG_CONTEXT>`` run,
+    Mistral 3's ``[IMG_BREAK]`` after each row of ``[IMG]`` and ``[IMG_END]`` last. Those text tokens are
+    never pruned, as the family's Hugging Face adapter decides. A range without a mask is all embedded."""
     if span.is_embed is None:
         return span.offset, span.length
     flags = span.is_embed.tolist()
-    count = sum(flags)
-    first = flags.index(True) if count else 0
-    if not count or not all(flags[first : first + count]):
-        raise ValueError(
-            "priortr in vLLM prunes an image whose placeholders take its embeddings in one run; this "
-            f"image's placeholders interleave text with them ({count} of {len(flags)} embedded); send "
-            f'the request with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
-        )
-    return span.offset + first, count
+    if not any(flags):
+        raise ValueError("priortr: vLLM laid out an image whose placeholders take no embeddings")
+    return span.offset + flags.index(True), sum(flags)
 
 
 def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: list[int]) -> tuple:
-    """``prompt`` with image ``i``'s embedded run (``embedded_run``) cut to its first ``counts[i]``
-    tokens, and the images' new ranges (``ranges`` and ``counts`` in the same order; the ranges do not
-    overlap). A range's tokens that stay text stay in it, and its ``is_embed`` mask is cut alike."""
+    """``prompt`` with image ``i``'s placeholder range laid out for ``counts[i]`` kept tokens, and the
+    images' new ranges (``ranges`` and ``counts`` in the same order; the ranges do not overlap).
+
+    A shrunk range holds its text tokens before its first embedded one, then ``counts[i]`` embedded
+    slots in one run, then the range's other text tokens in their order (Mistral 3's row breaks, then
+    its end marker), its ``is_embed`` mask alike: every text token stays, and the slots are where the
+    model writes the tokens that survive layer L, which are the image's kept tokens and its row breaks
+    in prompt order at their original positions (``prefill_step.py``). A range whose embedded tokens are
+    one run (every other family) is that run cut to its first ``counts[i]`` tokens."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
     out: list[int] = []
     new: list[PlaceholderRange | None] = [None] * len(ranges)
-    cursor = removed = 0
+    cursor = 0
     for i in order:
         span, kept = ranges[i], counts[i]
-        start, count = embedded_run(span)
-        out += prompt[cursor : start + kept]
-        cursor = start + count
-        is_embed = span.is_embed
-        if is_embed is not None:
-            inside = start - span.offset
-            is_embed = torch.cat([is_embed[: inside + kept], is_embed[inside + count :]])
-        new[i] = PlaceholderRange(
-            offset=span.offset - removed, length=span.length - count + kept, is_embed=is_embed
-        )
-        removed += count - kept
+        first, _ = embedded_tokens(span)
+        inside = first - span.offset
+        tokens = prompt[span.offset : span.offset + span.length]
+        flags = [True] * span.length if span.is_embed is None else span.is_embed.tolist()
+        after = [
+            token for token, embedded in zip(tokens[inside:], flags[inside:], strict=True) if not embedded
+        ]
+        short = [*tokens[:inside], *[prompt[first]] * kept, *after]
+        is_embed = None
+        if span.is_embed is not None:
+            is_embed = torch.tensor([False] * inside + [True] * kept + [False] * len(after))
+        out += prompt[cursor : span.offset]
+        new[i] = PlaceholderRange(offset=len(out), length=len(short), is_embed=is_embed)
+        out += short
+        cursor = span.offset + span.length
     out += prompt[cursor:]
     return out, new
 
@@ -151,7 +156,7 @@ class PruningProcessor:
         check_pixels(inputs.mm_data_items)
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
         images = list(laid_out["mm_placeholders"].get("image", []))
-        tokens = [embedded_run(span)[1] for span in images]  # N per image
+        tokens = [embedded_tokens(span)[1] for span in images]  # N per image
         counts = image_counts(hf_config, config, laid_out)
         if counts == tokens:
             return super().apply(inputs, timing_ctx)

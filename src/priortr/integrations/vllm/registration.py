@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from vllm import ModelRegistry
-from vllm.model_executor.models import interns1, llava, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl
+from vllm.model_executor.models import (
+    interns1,
+    llava,
+    llava_next,
+    llava_onevision,
+    mistral3,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_vl,
+)
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -16,7 +28,9 @@ from priortr.integrations.vllm.config_hooks import (
 from priortr.integrations.vllm.models import (
     PruningInternVL,
     PruningLlava,
+    PruningLlavaNext,
     PruningLlavaOnevision,
+    PruningMistral3,
     PruningQwen2_5_VL,
     PruningQwen2VL,
     PruningQwen3VL,
@@ -45,8 +59,17 @@ class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
     ``<IMG_CONTEXT>`` placeholders per image between its ``<img>`` and ``</img>``."""
 
 
+class LlavaNextProcessor(PruningProcessor, llava_next.LlavaNextMultiModalProcessor):
+    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image."""
+
+
 class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
     """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image."""
+
+
+class Mistral3Processor(PruningProcessor, mistral3.Mistral3MultiModalProcessor):
+    """Mistral 3's processor, pruned requests laid out with K ``[IMG]`` slots per image, its row breaks
+    and ``[IMG_END]`` after them."""
 
 
 def llava_processor(info: object, dummy_inputs: object) -> object:
@@ -56,14 +79,87 @@ def llava_processor(info: object, dummy_inputs: object) -> object:
     return llava._build_llava_or_pixtral_hf_processor(info, dummy_inputs)
 
 
+@dataclass(frozen=True)
+class Family:
+    """One served architecture: vLLM's name for it, the plug-in's model class, the config hook run on
+    its model config, and the multimodal processor registered for the class (a factory or a processor
+    class, with vLLM's processing info and dummy inputs builder of the family)."""
+
+    architecture: str
+    model: type
+    hook: type
+    processor: Callable[..., object]
+    info: Callable[..., object]
+    dummy_inputs: type
+
+
 FAMILIES = (
-    ("LlavaForConditionalGeneration", PruningLlava, LinearRopeConfigHook),
-    ("Qwen2VLForConditionalGeneration", PruningQwen2VL, PruningConfigHook),
-    ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
-    ("Qwen3VLForConditionalGeneration", PruningQwen3VL, DeepStackConfigHook),
-    ("InternVLForConditionalGeneration", PruningInternVL, LinearRopeConfigHook),
-    ("LlavaOnevisionForConditionalGeneration", PruningLlavaOnevision, LinearRopeConfigHook),
+    Family(
+        "LlavaForConditionalGeneration",
+        PruningLlava,
+        LinearRopeConfigHook,
+        llava_processor,
+        llava._build_llava_or_pixtral_hf_info,
+        llava.LlavaDummyInputsBuilder,
+    ),
+    Family(
+        "Qwen2VLForConditionalGeneration",
+        PruningQwen2VL,
+        PruningConfigHook,
+        Qwen2VLProcessor,
+        qwen2_vl.Qwen2VLProcessingInfo,
+        qwen2_vl.Qwen2VLDummyInputsBuilder,
+    ),
+    Family(
+        "Qwen2_5_VLForConditionalGeneration",
+        PruningQwen2_5_VL,
+        PruningConfigHook,
+        Qwen2_5_VLProcessor,
+        qwen2_5_vl.Qwen2_5_VLProcessingInfo,
+        qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
+    ),
+    Family(
+        "Qwen3VLForConditionalGeneration",
+        PruningQwen3VL,
+        DeepStackConfigHook,
+        Qwen3VLProcessor,
+        qwen3_vl.Qwen3VLProcessingInfo,
+        qwen3_vl.Qwen3VLDummyInputsBuilder,
+    ),
+    Family(
+        "InternVLForConditionalGeneration",
+        PruningInternVL,
+        LinearRopeConfigHook,
+        InternVLProcessor,
+        interns1.InternS1ProcessingInfo,
+        interns1.InternS1DummyInputsBuilder,
+    ),
+    Family(
+        "LlavaOnevisionForConditionalGeneration",
+        PruningLlavaOnevision,
+        LinearRopeConfigHook,
+        LlavaOnevisionProcessor,
+        llava_onevision.LlavaOnevisionProcessingInfo,
+        llava_onevision.LlavaOnevisionDummyInputsBuilder,
+    ),
+    Family(
+        "LlavaNextForConditionalGeneration",
+        PruningLlavaNext,
+        LinearRopeConfigHook,
+        LlavaNextProcessor,
+        llava_next.LlavaNextProcessingInfo,
+        llava.LlavaDummyInputsBuilder,
+    ),
+    Family(
+        "Mistral3ForConditionalGeneration",
+        PruningMistral3,
+        LinearRopeConfigHook,
+        Mistral3Processor,
+        mistral3.Mistral3ProcessingInfo,
+        mistral3.Mistral3DummyInputsBuilder,
+    ),
 )
+"""Every served family, one row each: ``register_all`` registers them all alike."""
 NOT_YET = "no plug-in class wraps its vLLM model yet"
 UNSERVED = {
     "Qwen3VLMoeForConditionalGeneration": NOT_YET,
@@ -80,8 +176,6 @@ UNSERVED = {
         "bidirectional masks for the tokens of an image (stock vLLM on CPU attends causally within a Gemma 3 "
         "image, where transformers attends both ways)"
     ),
-    "LlavaNextForConditionalGeneration": NOT_YET,
-    "Mistral3ForConditionalGeneration": NOT_YET,
     "Idefics3ForConditionalGeneration": NOT_YET,
     "Glm4vForConditionalGeneration": NOT_YET,
     "Llama4ForConditionalGeneration": NOT_YET,
@@ -93,34 +187,11 @@ reason: a config with ``priortr`` settings is refused at engine start instead of
 
 def register_all() -> None:
     """Put the pruning classes under vLLM's architecture names (idempotent: every process calls it)."""
-    MULTIMODAL_REGISTRY.register_processor(
-        llava_processor,
-        info=llava._build_llava_or_pixtral_hf_info,
-        dummy_inputs=llava.LlavaDummyInputsBuilder,
-    )(PruningLlava)
-    MULTIMODAL_REGISTRY.register_processor(
-        Qwen2VLProcessor, info=qwen2_vl.Qwen2VLProcessingInfo, dummy_inputs=qwen2_vl.Qwen2VLDummyInputsBuilder
-    )(PruningQwen2VL)
-    MULTIMODAL_REGISTRY.register_processor(
-        Qwen2_5_VLProcessor,
-        info=qwen2_5_vl.Qwen2_5_VLProcessingInfo,
-        dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
-    )(PruningQwen2_5_VL)
-    MULTIMODAL_REGISTRY.register_processor(
-        Qwen3VLProcessor, info=qwen3_vl.Qwen3VLProcessingInfo, dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder
-    )(PruningQwen3VL)
-    MULTIMODAL_REGISTRY.register_processor(
-        InternVLProcessor,
-        info=interns1.InternS1ProcessingInfo,
-        dummy_inputs=interns1.InternS1DummyInputsBuilder,
-    )(PruningInternVL)
-    MULTIMODAL_REGISTRY.register_processor(
-        LlavaOnevisionProcessor,
-        info=llava_onevision.LlavaOnevisionProcessingInfo,
-        dummy_inputs=llava_onevision.LlavaOnevisionDummyInputsBuilder,
-    )(PruningLlavaOnevision)
-    for architecture, model, hook in FAMILIES:
-        ModelRegistry.register_model(architecture, model)
-        MODELS_CONFIG_MAP[architecture] = hook
+    for family in FAMILIES:
+        MULTIMODAL_REGISTRY.register_processor(
+            family.processor, info=family.info, dummy_inputs=family.dummy_inputs
+        )(family.model)
+        ModelRegistry.register_model(family.architecture, family.model)
+        MODELS_CONFIG_MAP[family.architecture] = family.hook
     for architecture, reason in UNSERVED.items():
         MODELS_CONFIG_MAP[architecture] = unserved_hook(MODELS_CONFIG_MAP.get(architecture), reason)

@@ -1,0 +1,132 @@
+"""LLaVA-NeXT (AnyRes crops on a CLIP tower, a newline feature after every grid row, a Llama language
+model) served by vLLM with the plug-in, against priortr.apply + HF generate().
+
+The tiny checkpoint's crops are 28 px and 16 tokens: a 28x28 image is 36 tokens (base crop 16, one
+4x4 crop and 4 newlines), 56x28 is 52 (a 4x8 grid), 56x56 is 88 (8x8 and 8 newlines). The newline
+rows are visual tokens of the image's run, pruned like the others. Negative controls patch a fault
+into the plug-in (decode one position off, the kept tokens' keys/values not written) and the answer
+must then differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm import LLM, SamplingParams
+
+from priortr.integrations.vllm import models
+from priortr.integrations.vllm.registration import UNSERVED
+from tests.vllm.harness import (
+    ANSWER_TOKENS,
+    apply_settings,
+    generate,
+    run_arrivals,
+    shift_decode_offset,
+    skip_kv_rewrite,
+)
+from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
+
+SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
+TOKENS = ANSWER_TOKENS
+ONE = "USER: <image> what is in the image ASSISTANT:"  # 7 text tokens
+TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
+TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def llm(llava_next_dir):
+    engine = LLM(
+        model=str(llava_next_dir),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 2},
+        **ENGINE,
+    )
+    yield engine
+    del engine
+
+
+CASES = [
+    (ONE, [image(56, 0, height=28)], None),
+    (ONE, [image(56, 1)], {"budget": 12}),
+    (TWO, [image(56, 2, height=28), image(28, 6)], None),  # 52 + 36 tokens share the budget of 8
+    (ONE, [image(56, 3, height=28)], {"enabled": False}),  # an unpruned image in a pruned step
+    (TEXT_ONLY, [], None),
+]
+
+
+def test_one_step_of_images_text_budgets_and_pruning_off(llm, llava_next_dir):
+    assert llm.apply_model(type) == [models.PruningLlavaNext]
+    assert "LlavaNextForConditionalGeneration" not in UNSERVED
+    outs = generate(llm, CASES)
+    for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
+        expected = hf_tokens(llava_next_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
+        assert list(out.outputs[0].token_ids) == expected, index
+    assert [len(out.prompt_token_ids) for out in outs] == [7 + 8, 7 + 12, 8 + 8, 7 + 52, 9]
+    for case, out in zip(CASES[:3], outs[:3], strict=True):  # pruning changed the answers
+        assert hf_tokens(llava_next_dir, *case[:2], None, TOKENS) != list(out.outputs[0].token_ids)
+
+
+def test_requests_arriving_while_others_decode(llm, llava_next_dir):
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    cases = [
+        (ONE, [image(56, 10)], None),
+        (ONE, [image(28, 11)], {"budget": 4}),
+        (ONE, [image(56, 12, height=28)], {"enabled": False}),
+        (TEXT_ONLY, [], None),
+    ]
+    arrivals = {0: [0], 2: [1, 2], 5: [3]}  # engine step -> requests added before it
+    requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
+    results = run_arrivals(engine, requests, arrivals, params)
+    for index, (prompt, images, budget) in enumerate(cases):
+        expected = hf_tokens(llava_next_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
+        assert results[index] == expected, index
+
+
+def test_wrong_decode_offset_is_caught(llm, llava_next_dir, monkeypatch):
+    """Negative control: decoding one position off the original positions changes the answer."""
+    shift_decode_offset(monkeypatch)
+    case = CASES[0]
+    out = generate(llm, [case])[0]
+    assert list(out.outputs[0].token_ids) != hf_tokens(llava_next_dir, *case[:2], SETTINGS, TOKENS)
+
+
+def test_skipped_kv_rewrite_is_caught(llm, llava_next_dir, monkeypatch):
+    """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values changes the
+    answer."""
+    skip_kv_rewrite(monkeypatch)
+    case = CASES[1]
+    out = generate(llm, [case])[0]
+    assert list(out.outputs[0].token_ids) != hf_tokens(
+        llava_next_dir, *case[:2], {**SETTINGS, **case[2]}, TOKENS
+    )
+
+
+def test_preemption_by_recompute_is_exact(llava_next_dir):
+    """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 15-token prompts decoding 40
+    tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
+    engine = LLM(
+        model=str(llava_next_dir),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt={"image": 1},
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
+        block_size=32,
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
+    )
+    cases = [(ONE, [image(56, 20 + i, height=28)]) for i in range(4)]
+    outs = generate(engine, cases, tokens=40)
+    stats = engine.llm_engine.get_metrics()
+    for (prompt, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_tokens(llava_next_dir, prompt, images, SETTINGS, 40)
+    preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
+    assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
+    del engine
+
+
+def test_adjacent_images_are_refused(llm):
+    """Two images with no text between them (as the llava-hf chat template writes a message's images)
+    are one run of placeholders, which priortr.apply prunes as one item; vLLM lays out two, so a pruned
+    request is refused with the fix, not pruned at the wrong boundaries."""
+    adjacent = "USER: <image><image> what is in the image ASSISTANT:"
+    with pytest.raises(ValueError, match="put text between images"):
+        generate(llm, [(adjacent, [image(28, 7), image(28, 8)], None)])
