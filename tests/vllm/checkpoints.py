@@ -362,11 +362,12 @@ MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST = 8, 2, 64
 MISTRAL3_TOKEN_PIXELS = MISTRAL3_PATCH * MISTRAL3_MERGE  # one visual token covers 16 x 16 pixels
 
 
-def mistral3(path: str | Path) -> Path:
+def mistral3(path: str | Path, sliding_window: int | None = None) -> Path:
     """Mistral 3: a 2-layer Pixtral tower (head_dim 32, 8-px patches merged 2 x 2: one token per 16 x 16
     px, native aspect ratio, longest edge 64 px) and a 4-layer head_dim-32 Mistral; an image of
     ``H x W`` px (multiples of 16) is ``H / 16`` rows of ``W / 16`` ``[IMG]`` tokens, a row break after
-    each row and ``[IMG_END]`` last: 32 x 48 is 2 x 3 tokens, 64 x 32 is 4 x 2, 64 x 64 is 4 x 4."""
+    each row and ``[IMG_END]`` last: 32 x 48 is 2 x 3 tokens, 64 x 32 is 4 x 2, 64 x 64 is 4 x 4;
+    ``sliding_window``: the text model's (Mistral Small 3.1 / 3.2 have none)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vision = {
@@ -385,7 +386,7 @@ def mistral3(path: str | Path) -> Path:
         vocab_size=VOCAB,
         num_hidden_layers=4,
         max_position_embeddings=512,
-        sliding_window=None,
+        sliding_window=sliding_window,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,

@@ -25,6 +25,7 @@ from priortr.integrations.vllm.positions import ImageSlots, linear_positions, re
 from priortr.integrations.vllm.processor import embedded_tokens, shrink_prompt
 from priortr.integrations.vllm.registration import UNSERVED
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
+from tests.vllm import checkpoints
 from tests.vllm.checkpoints import MISTRAL3_TOKEN_PIXELS
 from tests.vllm.harness import (
     ANSWER_TOKENS,
@@ -192,3 +193,15 @@ def test_ministral3_query_scaling_is_refused():
     with pytest.raises(ValueError, match="ada_rms_norm_t_cond"):
         check_options(layer(False, t_cond=torch.nn.Identity()))
     check_options(layer(False))
+
+
+def test_a_sliding_window_is_refused_when_the_model_loads(tmp_path):
+    """A Mistral text model with a sliding window (Mistral 7B's 4096 tokens; here 32) is refused with
+    priortr settings when the model loads, not served with whole-prompt attention in layers 0..L and a
+    window counted over cache slots after them; the same checkpoint without them is vLLM's own model."""
+    path = checkpoints.mistral3(tmp_path / "windowed", sliding_window=32)
+    with pytest.raises(
+        Exception, match=r"does not serve sliding-window attention \(this model's layers attend within 32"
+    ):
+        LLM(model=str(path), hf_overrides={"priortr": SETTINGS}, **ENGINE)
+    LLM(model=str(path), **ENGINE)

@@ -157,8 +157,19 @@ class TextModel:
 
 
 def check_options(layer: torch.nn.Module) -> None:
-    """Refuse, when the model loads, a Mistral layer option that ``LayerParts`` does not run: Llama 4's
-    query scaling by position (Ministral 3), a time-conditioned norm after attention."""
+    """Refuse, when the model loads, a layer option that the pruned prefill does not run as
+    ``priortr.apply`` does: a sliding attention window (layers 0..L attend causally over the whole
+    prompt, and vLLM counts a later layer's window over a pruned request's cache slots, where ``apply``
+    counts prompt positions: docs/serving.md, Gemma 3), and Mistral's Llama 4 query scaling by position
+    (Ministral 3) and time-conditioned norm after attention."""
+    window = getattr(getattr(layer.self_attn, "attn", None), "sliding_window", None)
+    if window is not None:
+        raise ValueError(
+            f"priortr's vLLM plug-in does not serve sliding-window attention (this model's layers attend "
+            f"within {window} tokens): its pruned prefill attends over the whole prompt, and vLLM counts a "
+            "window over a pruned request's cache slots where priortr.apply counts prompt positions; serve "
+            "the model without priortr settings"
+        )
     if getattr(layer.self_attn, "do_llama_4_scaling", False):
         raise ValueError(
             "priortr's vLLM plug-in does not run Llama 4's position-dependent query scaling "
