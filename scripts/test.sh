@@ -6,8 +6,9 @@
 #   bash scripts/test.sh --torch-floor   the same suites on the oldest supported torch (.venv-torch-floor)
 #   bash scripts/test.sh --torch-newest  the same suites on the newest torch tested (.venv-torch-newest)
 # pytest-xdist runs one worker per core, each test module on one worker (its module-scoped tiny models
-# are built once); tests/conftest.py gives each worker its share of torch's threads. `-n 0` runs one
-# process.
+# are built once), the long modules first (tests/conftest.py, LONG_MODULES), then in collection order;
+# tests/conftest.py gives each worker its share of torch's threads; the 15 slowest tests are printed.
+# `-n 0` runs one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -18,11 +19,11 @@ case "${1:-}" in
     [ "$option" = --floor ] && venv=.venv-floor
     [ -x "$venv/bin/pytest" ] || bash scripts/setup.sh "$option"
     "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    exec "$venv/bin/pytest" -n auto --dist loadscope tests/engine tests/families tests/methods "$@"
+    exec "$venv/bin/pytest" -n auto --dist loadscope --no-loadscope-reorder --durations=15 tests/engine tests/families tests/methods "$@"
     ;;
 esac
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
 .venv/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 .venv/bin/ruff check src tests benchmarks scripts
 .venv/bin/ruff format --check src tests benchmarks scripts
-.venv/bin/pytest -n auto --dist loadscope "$@"
+.venv/bin/pytest -n auto --dist loadscope --no-loadscope-reorder --durations=15 "$@"

@@ -48,3 +48,20 @@ class TinyModels(dict):
 def models() -> TinyModels:
     """{family: tiny model}, shared by the tests of one module (they must leave the models as found)."""
     return TinyModels()
+
+
+LONG_MODULES = (
+    "tests/testbed/test_model.py",
+    "tests/cli/test_lmms_eval_dp.py",
+    "tests/cli/test_lmms_eval.py",
+)
+"""Modules of few tests that run for minutes (the trained testbed's accuracy check; lmms-eval in one and in
+two processes). ``scripts/test.sh`` sends them to the workers first (``--no-loadscope-reorder``): xdist's
+default order, the modules with the most tests first, started them last, so that one worker ran them alone
+at the end. The slowest tests of each run are printed (``--durations``) to keep this list true."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``LONG_MODULES`` first, the rest in collection order (the sort is stable)."""
+    rank = {module: i for i, module in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
