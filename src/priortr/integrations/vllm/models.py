@@ -1,5 +1,5 @@
-"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL as vLLM serves them, pruning
-visual tokens after decoder layer L.
+"""LLaVA-1.5, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and InternVL as vLLM serves
+them, pruning visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -38,10 +38,11 @@ from vllm.model_executor.models.llava_onevision import LlavaOnevisionForConditio
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
-from priortr.integrations.vllm.decoder import TextModel, batch_layout
+from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
 from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
 from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
@@ -187,18 +188,19 @@ class PruningModel:
         injected = self._step_injections(inputs_embeds.shape[0])
         starts, seq_lens = batch_layout(self._text.scored[0])
         prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.linear_rope)
-        kept = [
-            prefill_prompt(
-                prompt,
-                inputs_embeds,
-                self._text.scored,
-                self.priortr,
-                self._adapter,
-                self._hf_config,
-                self.linear_rope,
-            )
-            for prompt in prompts
-        ]
+        with unpadded_rows():
+            kept = [
+                prefill_prompt(
+                    prompt,
+                    inputs_embeds,
+                    self._text.scored,
+                    self.priortr,
+                    self._adapter,
+                    self._hf_config,
+                    self.linear_rope,
+                )
+                for prompt in prompts
+            ]
         return self._run_batch(prompts, kept, positions, inputs_embeds, injected)
 
     def _run_batch(
@@ -389,3 +391,12 @@ class PruningQwen3VL(QwenPositions, PruningModel, Qwen3VLForConditionalGeneratio
         ]
         self._clear_deepstack_input_embeds(rows)
         return injected
+
+
+class PruningQwen3VLMoe(PruningQwen3VL, Qwen3VLMoeForConditionalGeneration):
+    """vLLM's Qwen3-VL MoE (Qwen3-VL-30B-A3B, 235B-A22B) with priortr: Qwen3-VL's vision side,
+    positions and DeepStack as ``PruningQwen3VL``, a language model whose decoder layers' MLPs are
+    vLLM's sparse MoE blocks (``decoder.py``). Under tensor, data or expert parallelism its MoE blocks
+    exchange rows across ranks, which the plug-in has not checked: ``config_hooks`` refuses them."""
+
+    stock = Qwen3VLMoeForConditionalGeneration

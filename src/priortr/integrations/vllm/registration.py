@@ -5,11 +5,13 @@ from __future__ import annotations
 from vllm import ModelRegistry
 from vllm.model_executor.models import interns1, llava, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
     LinearRopeConfigHook,
+    MoeDeepStackConfigHook,
     PruningConfigHook,
     unserved_hook,
 )
@@ -20,6 +22,7 @@ from priortr.integrations.vllm.models import (
     PruningQwen2_5_VL,
     PruningQwen2VL,
     PruningQwen3VL,
+    PruningQwen3VLMoe,
 )
 from priortr.integrations.vllm.processor import PruningProcessor
 
@@ -61,12 +64,12 @@ FAMILIES = (
     ("Qwen2VLForConditionalGeneration", PruningQwen2VL, PruningConfigHook),
     ("Qwen2_5_VLForConditionalGeneration", PruningQwen2_5_VL, PruningConfigHook),
     ("Qwen3VLForConditionalGeneration", PruningQwen3VL, DeepStackConfigHook),
+    ("Qwen3VLMoeForConditionalGeneration", PruningQwen3VLMoe, MoeDeepStackConfigHook),
     ("InternVLForConditionalGeneration", PruningInternVL, LinearRopeConfigHook),
     ("LlavaOnevisionForConditionalGeneration", PruningLlavaOnevision, LinearRopeConfigHook),
 )
 NOT_YET = "no plug-in class wraps its vLLM model yet"
 UNSERVED = {
-    "Qwen3VLMoeForConditionalGeneration": NOT_YET,
     "InternVLChatModel": (
         "InternVL's original layout, whose config and modeling code are the checkpoint's own remote code "
         "(trust_remote_code), which priortr.apply has no adapter for, so the plug-in's answers could not be "
@@ -103,6 +106,11 @@ def register_all() -> None:
     MULTIMODAL_REGISTRY.register_processor(
         Qwen3VLProcessor, info=qwen3_vl.Qwen3VLProcessingInfo, dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder
     )(PruningQwen3VL)
+    MULTIMODAL_REGISTRY.register_processor(
+        Qwen3VLProcessor,  # vLLM serves Qwen3-VL MoE with Qwen3-VL's processor too
+        info=Qwen3VLMoeProcessingInfo,
+        dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
+    )(PruningQwen3VLMoe)
     MULTIMODAL_REGISTRY.register_processor(
         InternVLProcessor,
         info=interns1.InternS1ProcessingInfo,
