@@ -11,10 +11,13 @@ values out of the paged cache, and the answers must then differ.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 from vllm import LLM, SamplingParams
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from priortr.integrations.vllm import models
 from tests.vllm.harness import (
@@ -136,6 +139,31 @@ def test_kept_keys_and_values_left_out_of_the_cache_are_caught(llm, checkpoint, 
     skip_kv_rewrite(monkeypatch)
     out = generate(llm, [CASES[0]])[0]
     assert list(out.outputs[0].token_ids) != hf_tokens(checkpoint, *CASES[0][:2], SETTINGS, TOKENS)
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_moe_blocks_of_a_whole_prompt_see_no_padding_mask(llm, family, monkeypatch, hidden):
+    """The step's padding mask (vLLM's ``is_padding``, which its GPU routers apply to the first rows of
+    a MoE block's input; the CPU build's router ignores it, so this checks what the blocks are shown)
+    is hidden while the pruned prompt runs whole (9 + 16 rows in a step of 9 + 6) and shown for the
+    step's own rows. Negative control (``hidden`` False): without ``unpadded_rows`` the whole prompt's
+    block gets the step's mask, shorter than its rows."""
+    if family[0] != "qwen3_vl_moe":
+        pytest.skip("dense Qwen3-VL has no MoE blocks")
+    seen = []
+    original = Qwen3MoeSparseMoeBlock.forward
+
+    def recording(self, hidden_states):
+        padding = get_forward_context().is_padding
+        seen.append((hidden_states.shape[0], None if padding is None else padding.shape[0]))
+        return original(self, hidden_states)
+
+    monkeypatch.setattr(Qwen3MoeSparseMoeBlock, "forward", recording)
+    if not hidden:
+        monkeypatch.setattr(models, "unpadded_rows", contextlib.nullcontext)
+    generate(llm, [CASES[0]], tokens=1)
+    whole = (9 + 16, None) if hidden else (9 + 16, 9 + 6)
+    assert seen == [whole, (9 + 6, 9 + 6), (9 + 6, 9 + 6)]  # layer 1 on the prompt, layers 2-3 on the step
 
 
 def test_preemption_by_recompute_is_exact(checkpoint):
