@@ -193,9 +193,11 @@ def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:
 def unpadded_rows() -> Iterator[None]:
     """Run the enclosed layers on rows that are all real tokens but not laid out as the step's rows (a
     pruned prompt computed whole, N visual tokens where the step holds K): vLLM's forward context marks
-    the step's padded rows (``is_padding``, set by the GPU model runner under CUDA graphs), and the
-    fused-MoE routers skip the rows it marks among the first rows of their input, which here are
-    other tokens (``VLLM_MOE_SKIP_PADDING``, vLLM 0.32 / 0.33)."""
+    the step's padded rows (``is_padding``, set every step by the model runner, True on the rows padded
+    for CUDA graphs), and vLLM's GPU fused-MoE routers skip the rows it marks among the first rows of
+    their input, which here are other tokens, or read past its end when the prompt is longer than the
+    step (``VLLM_MOE_SKIP_PADDING``, on by default in vLLM 0.32 / 0.33; the CPU build's router ignores
+    it)."""
     context = get_forward_context()
     padding, context.is_padding = context.is_padding, None
     try:
