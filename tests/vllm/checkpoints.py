@@ -65,6 +65,7 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
+from tests.helpers.tiny_glm4v import tiny_glm4v
 from tests.helpers.tiny_internvl_smolvlm import INTERNVL_END_ID, INTERNVL_IMAGE_ID, INTERNVL_START_ID
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
@@ -89,17 +90,17 @@ QWEN_TEMPLATE = (
 
 
 def _widen(path: Path, seed: int, vision: tuple[str, ...] = (), clip_names: bool = False) -> None:
-    """Redraw the language model's and projector's matrices with std ``WEIGHT_STD`` (norms untouched),
-    and the vision tower's whose names hold one of ``vision``; ``clip_names``: name a CLIP tower's
-    weights as the llava-hf checkpoints do (``vision_tower.vision_model.*``, which vLLM's loader expects
-    and transformers reads too)."""
+    """Redraw the language model's and projector's matrices (a MoE's experts stacked [E, ., .] too) with
+    std ``WEIGHT_STD`` (norms untouched), and the vision tower's whose names hold one of ``vision``;
+    ``clip_names``: name a CLIP tower's weights as the llava-hf checkpoints do
+    (``vision_tower.vision_model.*``, which vLLM's loader expects and transformers reads too)."""
     file = path / "model.safetensors"
     weights = load_file(file)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in weights.items():
         tower = "vision_tower" in name or "visual" in name
-        if value.ndim == 2 and (not tower or any(part in name for part in vision)):
+        if value.ndim in (2, 3) and (not tower or any(part in name for part in vision)):
             value = torch.randn(value.shape, generator=generator) * WEIGHT_STD
         clip = name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model.")
         if clip_names and clip:
@@ -149,17 +150,45 @@ def qwen3_vl(path: str | Path) -> Path:
 
 
 def qwen3_vl_moe(path: str | Path) -> Path:
-    """Qwen3-VL MoE, laid out as ``qwen3_vl``: a family the plug-in does not serve."""
-    return _qwen(
+    """Qwen3-VL MoE, laid out as ``qwen3_vl``: decoder layer 0 has a dense MLP, layers 1-3 a 4-expert
+    top-2 MoE block (``tests.helpers.tiny_qwen3_vl``); the DeepStack mergers and the experts are drawn
+    wide too (at transformers' default std neither changes a greedy answer visibly). The text config
+    says ``norm_topk_prob`` as the released checkpoints do: vLLM reads it, while transformers' config
+    class dropped it (its router always renormalises the top-k weights). The experts are stored as the
+    released checkpoints store them, [E, D, 2I] and [E, I, D], which vLLM reads and transformers
+    transposes on load; transformers saves its own [E, 2I, D] / [E, D, I]."""
+    path = _qwen(
         Path(path),
         tiny_qwen3_vl_moe,
         "out_hidden_size",
         Qwen3VLProcessor,
         seed=5,
         patch=16,
-        text={"head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"], "rope_parameters": QWEN3_ROPE},
+        vision=("deepstack_merger_list",),
+        text={
+            "head_dim": TEXT["hidden_size"] // TEXT["num_attention_heads"],
+            "rope_parameters": QWEN3_ROPE,
+            "norm_topk_prob": True,
+        },
         video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
     )
+    file = path / "model.safetensors"
+    weights = load_file(file)
+    experts = {name for name in weights if ".mlp.experts." in name}
+    released = {
+        name: value.transpose(1, 2).contiguous() if name in experts else value
+        for name, value in weights.items()
+    }
+    save_file(released, file, metadata={"format": "pt"})
+    return path
+
+
+def glm4v(path: str | Path) -> Path:
+    """GLM-4V's config and weights (``tests.helpers.tiny_glm4v``), no processor: a family the plug-in
+    does not serve, whose engine config vLLM builds (the refusal is made there)."""
+    path = Path(path)
+    tiny_glm4v(dtype=torch.float32).save_pretrained(path)
+    return path
 
 
 INTERNVL_TILE, INTERNVL_PATCH = 56, 7

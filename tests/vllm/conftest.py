@@ -49,6 +49,13 @@ def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.qwen3_vl_moe(tmp_path_factory.mktemp("qwen3-vl-moe"))
+
+
+@pytest.fixture(scope="session")
 def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 

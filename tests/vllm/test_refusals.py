@@ -169,16 +169,48 @@ def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
 
 
 def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
-    """Qwen3-VL MoE is pruned by priortr.apply, not by the plug-in: with priortr settings the engine
-    refuses to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
+    """GLM-4V is pruned by priortr.apply, not by the plug-in: with priortr settings the engine refuses
+    to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
     from tests.vllm import checkpoints
 
-    path = checkpoints.qwen3_vl_moe(tmp_path / "qwen3-vl-moe")
-    with pytest.raises(
-        ValueError, match=r"does not serve Qwen3VLMoeForConditionalGeneration .* served unpruned"
-    ):
+    path = checkpoints.glm4v(tmp_path / "glm4v")
+    with pytest.raises(ValueError, match=r"does not serve Glm4vForConditionalGeneration .* served unpruned"):
         config_of(path)
     config_of(path, hf_overrides={})
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"enable_expert_parallel": True}, r"tensor, data or expert parallelism of a mixture-of-experts"),
+        ({"enable_return_routed_experts": True}, r"returning routed experts"),
+    ],
+)
+def test_moe_settings_the_plugin_has_not_run_are_refused(qwen3_vl_moe_dir, setting, message):
+    """Qwen3-VL MoE is served on one rank per engine, without returned routing: each is refused at
+    engine start with the setting to change."""
+    with pytest.raises(ValueError, match=message):
+        config_of(qwen3_vl_moe_dir, **setting)
+
+
+def test_moe_hook_refuses_load_balancing_and_finds_moe_layers_by_name(qwen3_vl_moe_dir):
+    """Expert load balancing (which vLLM's CPU build refuses itself, so set on a built config) is
+    refused; a pruned step calls MoE blocks outside vLLM's layer order, so the hook turns
+    fast_moe_cold_start off (layers found by name, not call order; vLLM on torch >= 2.11 turns it off
+    too), and leaves it on for a config without priortr settings."""
+    hook = MODELS_CONFIG_MAP["Qwen3VLMoeForConditionalGeneration"]
+    config = config_of(qwen3_vl_moe_dir)
+    config.parallel_config.enable_eplb = True
+    with pytest.raises(ValueError, match=r"expert load balancing: .*--enable-eplb"):
+        hook.verify_and_update_config(config)
+    config.parallel_config.enable_eplb = False
+    config.compilation_config.fast_moe_cold_start = True
+    hook.verify_and_update_config(config)
+    assert config.compilation_config.fast_moe_cold_start is False
+    stock = config_of(qwen3_vl_moe_dir, hf_overrides={})
+    stock.compilation_config.fast_moe_cold_start = True
+    hook.verify_and_update_config(stock)
+    assert stock.compilation_config.fast_moe_cold_start is True
 
 
 def test_internvl_chat_model_is_refused_with_its_reason():

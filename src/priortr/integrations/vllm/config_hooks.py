@@ -209,3 +209,51 @@ def unserved_hook(previous: type[VerifyAndUpdateConfig] | None, reason: str) -> 
         return previous
     own = previous or VerifyAndUpdateConfig
     return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": own, "reason": reason})
+
+
+def moe_refusals(vllm_config: Any) -> list[str]:
+    """What a mixture-of-experts language model (Qwen3-VL MoE) is not served with: the settings under
+    which its MoE blocks exchange rows or statistics across ranks or steps, which a pruned prefill's
+    extra block calls (its prompt whole, N visual tokens) would desynchronise or skew, and which the
+    plug-in has not run."""
+    parallel = vllm_config.parallel_config
+    out = []
+    ranks = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if ranks > 1 or parallel.enable_expert_parallel:
+        out.append(
+            "tensor, data or expert parallelism of a mixture-of-experts model: its MoE blocks reduce or "
+            "dispatch rows across ranks in every call, and data-parallel ranks run their MoE steps in "
+            "lockstep, which a pruned prefill's extra calls on one rank would break; the plug-in has not "
+            "run them, so it serves this family on one GPU per engine: pass --tensor-parallel-size 1 "
+            "--data-parallel-size 1 and drop --enable-expert-parallel"
+        )
+    if parallel.enable_eplb:
+        out.append(
+            "expert load balancing: a pruned prefill's layers 0..L route the whole prompt once more, "
+            "which the load statistics would count; drop --enable-eplb"
+        )
+    if vllm_config.aux_output_config.enable_return_routed_experts:
+        out.append(
+            "returning routed experts: a pruned prompt's routing of layers 0..L is computed outside the "
+            "step's rows and would not be recorded per kept token; drop --enable-return-routed-experts"
+        )
+    return out
+
+
+class MoeDeepStackConfigHook(DeepStackConfigHook):
+    """Qwen3-VL MoE: Qwen3-VL's refusals and ``moe_refusals``; and vLLM's ``fast_moe_cold_start`` off,
+    whose fused-MoE layers find their weights by call order within a step (on torch < 2.11), which a
+    pruned step's extra calls would shift onto other layers' experts (vLLM turns it off for Ernie 4.5
+    VL's conditional MoE branches alike; it only shortens compilation)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        if served_config(vllm_config.model_config.hf_config) is None:
+            return
+        problems = moe_refusals(vllm_config)
+        if problems:
+            raise ValueError(
+                "priortr cannot prune exactly with these vLLM settings:\n- " + "\n- ".join(problems)
+            )
+        DeepStackConfigHook.verify_and_update_config(vllm_config)
+        vllm_config.compilation_config.fast_moe_cold_start = False

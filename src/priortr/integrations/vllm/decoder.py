@@ -2,19 +2,30 @@
 layer taken apart into the steps a pruned prefill runs separately, the batch facts read from vLLM's
 attention metadata, and the one collective a pruned prefill adds under tensor parallelism.
 
-vLLM's Llama, Mistral, Qwen2, Qwen3 and Qwen3-VL decoder layers (LLaVA-1.5's, Mistral 3's,
-Qwen2/2.5-VL's, InternVL's and Qwen3-VL's language models) are ``input_layernorm -> self_attn
-(qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp`` with a fused residual, called
-as ``layer(positions, hidden, residual)``, and the language model ends in a norm that takes the
-residual too; Qwen3's and Qwen3-VL's attention applies an RMSNorm to each head of q and k before RoPE
-(``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward``). vLLM's Mistral layer is Llama's with
-two options the plug-in refuses: Llama 4's position-dependent query scaling (``llama_4_scaling``,
-Ministral 3's text model) and a time-conditioned norm (``ada_rms_norm_t_cond``). A layer of another
-shape is refused when the model loads, with its type named.
+vLLM's Llama, Mistral, Qwen2, Qwen3, Qwen3-VL and Qwen3-VL MoE decoder layers (LLaVA-1.5's, Mistral
+3's, Qwen2/2.5-VL's, InternVL's, Qwen3-VL's and Qwen3-VL MoE's language models) are ``input_layernorm ->
+self_attn (qkv_proj, rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp`` with a fused
+residual, called as ``layer(positions, hidden, residual)``, and the language model ends in a norm that
+takes the residual too; Qwen3's, Qwen3-VL's and Qwen3-VL MoE's attention applies an RMSNorm to each
+head of q and k before RoPE (``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward`` and
+``Qwen3MoeAttention.forward``). vLLM's Mistral layer is Llama's with two options the plug-in refuses:
+Llama 4's position-dependent query scaling (``llama_4_scaling``, Ministral 3's text model) and a
+time-conditioned norm (``ada_rms_norm_t_cond``). A layer of another shape is refused when the model
+loads, with its type named.
+
+Qwen3-VL MoE's ``mlp`` is a dense MLP or vLLM's sparse MoE block (router, top-k experts, no shared
+expert in Qwen3-VL MoE's config) through vLLM's fused-MoE layer. The block is a function of its rows
+(each token is routed on its own), with two reads of vLLM's forward context: the layer by name
+(``no_compile_layers``; ``fast_moe_cold_start`` would instead take the next name in call order, which a
+pruned step breaks, so ``config_hooks`` turns it off) and ``is_padding``, the step's mask of padded
+rows, which the routers on GPU apply to the first rows of whatever they are given; a pruned prompt
+computed whole is not laid out as the step's rows, so it runs under ``unpadded_rows``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,9 +40,10 @@ KNOWN_LAYERS = frozenset(
         "Qwen2DecoderLayer",
         "Qwen3DecoderLayer",
         "Qwen3VLDecoderLayer",
+        "Qwen3VLMoeDecoderLayer",
     }
 )
-QK_NORM_LAYERS = frozenset({"Qwen3DecoderLayer", "Qwen3VLDecoderLayer"})
+QK_NORM_LAYERS = frozenset({"Qwen3DecoderLayer", "Qwen3VLDecoderLayer", "Qwen3VLMoeDecoderLayer"})
 """The known layers whose attention normalises each head of q and k before RoPE (``q_norm``, ``k_norm``)."""
 READABLE_BACKENDS = frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"})
 """vLLM attention backends whose per-layer metadata carries ``query_start_loc`` and ``seq_lens`` as
@@ -206,3 +218,20 @@ def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:
             f"this attention backend gives {type(entry).__name__}"
         )
     return entry.query_start_loc.tolist(), entry.seq_lens.tolist()
+
+
+@contextmanager
+def unpadded_rows() -> Iterator[None]:
+    """Run the enclosed layers on rows that are all real tokens but not laid out as the step's rows (a
+    pruned prompt computed whole, N visual tokens where the step holds K): vLLM's forward context marks
+    the step's padded rows (``is_padding``, set every step by the model runner, True on the rows padded
+    for CUDA graphs), and vLLM's GPU fused-MoE routers skip the rows it marks among the first rows of
+    their input, which here are other tokens, or read past its end when the prompt is longer than the
+    step (``VLLM_MOE_SKIP_PADDING``, on by default in vLLM 0.32 / 0.33; the CPU build's router ignores
+    it)."""
+    context = get_forward_context()
+    padding, context.is_padding = context.is_padding, None
+    try:
+        yield
+    finally:
+        context.is_padding = padding

@@ -1,5 +1,5 @@
-"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL and Mistral 3 as
-vLLM serves them, pruning visual tokens after decoder layer L.
+"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), InternVL and
+Mistral 3 as vLLM serves them, pruning visual tokens after decoder layer L.
 
 Each class is vLLM's own model class with four hooks. A model config without ``priortr`` settings
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
@@ -41,10 +41,11 @@ from vllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
-from priortr.integrations.vllm.decoder import TextModel, batch_layout
+from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
 from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions, row_breaks
 from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
@@ -206,18 +207,19 @@ class PruningModel:
             self.linear_rope,
             self.image_row_breaks,
         )
-        kept = [
-            prefill_prompt(
-                prompt,
-                inputs_embeds,
-                self._text.scored,
-                self.priortr,
-                self._adapter,
-                self._hf_config,
-                self.linear_rope,
-            )
-            for prompt in prompts
-        ]
+        with unpadded_rows():
+            kept = [
+                prefill_prompt(
+                    prompt,
+                    inputs_embeds,
+                    self._text.scored,
+                    self.priortr,
+                    self._adapter,
+                    self._hf_config,
+                    self.linear_rope,
+                )
+                for prompt in prompts
+            ]
         return self._run_batch(prompts, kept, positions, inputs_embeds, injected)
 
     def _run_batch(
@@ -444,3 +446,12 @@ class PruningQwen3VL(QwenPositions, PruningModel, Qwen3VLForConditionalGeneratio
         ]
         self._clear_deepstack_input_embeds(rows)
         return injected
+
+
+class PruningQwen3VLMoe(PruningQwen3VL, Qwen3VLMoeForConditionalGeneration):
+    """vLLM's Qwen3-VL MoE (Qwen3-VL-30B-A3B, 235B-A22B) with priortr: Qwen3-VL's vision side,
+    positions and DeepStack as ``PruningQwen3VL``, a language model whose decoder layers' MLPs are
+    vLLM's sparse MoE blocks (``decoder.py``). Under tensor, data or expert parallelism its MoE blocks
+    exchange rows across ranks, which the plug-in has not checked: ``config_hooks`` refuses them."""
+
+    stock = Qwen3VLMoeForConditionalGeneration

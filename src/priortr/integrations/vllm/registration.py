@@ -17,11 +17,13 @@ from vllm.model_executor.models import (
     qwen3_vl,
 )
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
     LinearRopeConfigHook,
+    MoeDeepStackConfigHook,
     PruningConfigHook,
     unserved_hook,
 )
@@ -34,6 +36,7 @@ from priortr.integrations.vllm.models import (
     PruningQwen2_5_VL,
     PruningQwen2VL,
     PruningQwen3VL,
+    PruningQwen3VLMoe,
 )
 from priortr.integrations.vllm.processor import PruningProcessor
 
@@ -127,6 +130,14 @@ FAMILIES = (
         qwen3_vl.Qwen3VLDummyInputsBuilder,
     ),
     Family(
+        "Qwen3VLMoeForConditionalGeneration",
+        PruningQwen3VLMoe,
+        MoeDeepStackConfigHook,
+        Qwen3VLProcessor,  # vLLM serves Qwen3-VL MoE with Qwen3-VL's processor too
+        Qwen3VLMoeProcessingInfo,
+        qwen3_vl.Qwen3VLDummyInputsBuilder,
+    ),
+    Family(
         "InternVLForConditionalGeneration",
         PruningInternVL,
         LinearRopeConfigHook,
@@ -162,7 +173,6 @@ FAMILIES = (
 """Every served family, one row each: ``register_all`` registers them all alike."""
 NOT_YET = "no plug-in class wraps its vLLM model yet"
 UNSERVED = {
-    "Qwen3VLMoeForConditionalGeneration": NOT_YET,
     "InternVLChatModel": (
         "InternVL's original layout, whose config and modeling code are the checkpoint's own remote code "
         "(trust_remote_code), which priortr.apply has no adapter for, so the plug-in's answers could not be "
