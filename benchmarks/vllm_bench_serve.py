@@ -56,14 +56,12 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -83,6 +81,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from benchmarks.vllm_serving import IMAGE_SIZE, PATCH, build_checkpoint, cpu_name
 from tests.helpers.checkpoint import CHAT_TEMPLATE
+from tests.helpers.server import free_port, wait_healthy
 
 RESULTS = Path("benchmarks/results/vllm-bench-serve")
 CONCURRENCIES = (1, 4, 16, 64)
@@ -299,7 +298,7 @@ def run_bench(argv: list[str]) -> dict[str, Any]:
 @contextmanager
 def serving(server: Server, model: Path, template: Path, blocks: int, layer: int, log: Path) -> Iterator[str]:
     """``server`` on a free port of 127.0.0.1: its URL once /health answers; stopped on exit."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -331,31 +330,10 @@ def serving(server: Server, model: Path, template: Path, blocks: int, layer: int
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(process, url, log)
+            wait_healthy(process, url, START_TIMEOUT_S, log)
             yield url
         finally:
             _stop(process)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"the server did not answer /health within {START_TIMEOUT_S} s; see {log}")
 
 
 def _stop(process: subprocess.Popen) -> None:
