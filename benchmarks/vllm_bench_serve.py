@@ -41,7 +41,7 @@ Stock's and priortr's servers are up together and their cells alternate, concurr
 in an order rotated each round; then (unless ``--no-defaults-off``) each server with a default off
 runs alone. ``--repeat`` concurrencies run a second round. Every cell has its own seed, so no image or
 text comes to a server twice (vLLM's processor, encoder and prefix caches see each once). Each server
-first serves a few untimed requests (warm-up).
+first serves a few untimed requests at each budget its cells ask for (warm-up).
 
 KV blocks per request are computed from the block size and the token counts: the prompt tokens the
 server counted (the benchmark's input tokens per request) plus the answer; the highest KV-cache usage
@@ -453,6 +453,16 @@ def phases(defaults_off: bool = True) -> list[Phase]:
     return [main] + [Phase((off,), (Setting(off, TURNED_OFF_BUDGET),)) for off in DEFAULTS_OFF]
 
 
+def warmup_budgets(plan: list[Phase], server: Server) -> list[int | None]:
+    """Every budget the cells of ``plan`` ask of ``server`` (None: stock's requests), in table order:
+    the warm-up sends WARMUP_PROMPTS requests at each before any cell is timed. vLLM caches the Hugging
+    Face processor by the request's ``mm_processor_kwargs``, ``priortr`` settings included, so the
+    first request at each budget loads a processor from disk: 10-14 s on the Qwen3-VL layout (its
+    151,936-word tokenizer, measured on the shared machine), then 0.4-0.6 s at that budget for any
+    text length. A warm-up at K = 64 alone left that cost in the K = 192 and K = 128 cells."""
+    return list(dict.fromkeys(s.budget for phase in plan for s in phase.settings if s.server == server))
+
+
 def prompts_at(concurrency: int, floor: int) -> int:
     return max(floor, 2 * concurrency)
 
@@ -461,8 +471,8 @@ def run(
     args: argparse.Namespace, model: Path, template: Path, blocks: int, save: Callable[[list[Cell]], None]
 ) -> None:
     """Every phase's cells, handed to ``save`` after each. A server starts with the first phase that
-    needs it (then serves a few untimed requests) and stops after the last one, so at most two are
-    up at once."""
+    needs it (then serves a few untimed requests at each budget it will be asked for) and stops after
+    the last one, so at most two are up at once."""
     cells: list[Cell] = []
     raw, logs = args.out / "raw", args.out / "logs"
     raw.mkdir(parents=True, exist_ok=True)
@@ -480,10 +490,11 @@ def run(
                     serving(server, args.family, model, template, blocks, args.layer, log)
                 )
                 up[server] = (stack, url)
-                warmup = raw / f"warmup-{_slug(server.name)}.json"
-                budget = TURNED_OFF_BUDGET if server.pruning else None
-                run_bench(bench_argv(url, model, args.family, budget, 4, WARMUP_PROMPTS, number, warmup))
-                warmup.unlink()
+                for index, budget in enumerate(warmup_budgets(plan, server)):
+                    warmup = raw / f"warmup-{_slug(server.name)}.json"
+                    seed = 100 * number + index
+                    run_bench(bench_argv(url, model, args.family, budget, 4, WARMUP_PROMPTS, seed, warmup))
+                    warmup.unlink()
             for index, concurrency in enumerate(args.concurrencies):
                 for round_ in range(2 if concurrency in args.repeat else 1):
                     shift = (index + round_) % len(phase.settings)

@@ -199,3 +199,12 @@ def test_targets_met_and_missed():
     assert "- TTFT p99 at C=64, K=128: 950 ms vs stock 900 ms: MISSED" in lines
     assert "- TTFT p99 at C=64, K=64: 500 ms vs stock 900 ms: met" in lines
 
+
+def test_warmup_covers_every_budget_a_server_is_asked_for():
+    """Stock warms up without a budget, priortr's server at each of K = 192 / 128 / 64 (its cells' order),
+    each server with a default off at K = 64 alone."""
+    plan = bench.phases()
+    assert bench.warmup_budgets(plan, bench.STOCK) == [None]
+    assert bench.warmup_budgets(plan, bench.PRIORTR) == [192, 128, 64]
+    assert [bench.warmup_budgets(plan, off) for off in bench.DEFAULTS_OFF] == [[64]] * 3
+    assert bench.warmup_budgets(bench.phases(defaults_off=False), bench.DEFAULTS_OFF[0]) == []
