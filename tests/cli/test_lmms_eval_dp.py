@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -34,15 +33,10 @@ from priortr.tools import report
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 from tests.helpers.lmms import BUDGET, N_VISUAL, TASK_DIR, lmms_eval_command
 from tests.helpers.lmms_task.utils import CALLS_ENV, CHOICES, RECORDS, write_local_dataset
+from tests.helpers.server import free_port
 
 TASKS = ("priortr_local_gen", "priortr_local_mc")
 CALLS_PER_RECORD = 1 + len(CHOICES)  # one generate_until request, one loglikelihood request per choice
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "lmms_eval",
     ]

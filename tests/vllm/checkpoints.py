@@ -588,7 +588,7 @@ def _qwen(
     processor = processor_class(
         image_processor=Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=low, max_pixels=high),
         video_processor=video(low, high),
-        tokenizer=_qwen_tokenizer(),
+        tokenizer=qwen_tokenizer(),
         chat_template=QWEN_TEMPLATE,
     )
     processor.save_pretrained(path)
@@ -596,8 +596,9 @@ def _qwen(
     return path
 
 
-def _qwen_tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer whose vision tokens have the tiny Qwen config's ids."""
+def qwen_tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer of ``size`` ids whose vision tokens have the tiny Qwen config's
+    ids (the serving benchmark's Qwen3-VL layout takes it at Qwen3-VL's vocabulary size)."""
     special = {
         **WORD_SPECIALS,
         "<|vision_start|>": QWEN_VISION_START_ID,
@@ -611,14 +612,17 @@ def _qwen_tokenizer() -> PreTrainedTokenizerFast:
         "vision_start_token": "<|vision_start|>",
         "vision_end_token": "<|vision_end|>",
     }
-    return _word_tokenizer(special, vision)
+    return _word_tokenizer(special, vision, size)
 
 
-def _word_tokenizer(special: dict[str, int], vision: dict[str, str]) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``VOCAB`` ids: the ``special`` tokens at their ids (the
+def _word_tokenizer(
+    special: dict[str, int], vision: dict[str, str], size: int = VOCAB
+) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``size`` ids: the ``special`` tokens at their ids (the
     pad, bos, eos, unk and newline ones first), the test words and fillers on the free ids; ``vision``
     names the family's vision tokens (special tokens, so they need no spaces around them)."""
-    free = [i for i in range(VOCAB) if i not in special.values()]
+    taken = set(special.values())
+    free = [i for i in range(size) if i not in taken]
     words = [*checkpoint.WORDS, "USER:", "ASSISTANT:"]
     vocab = special | dict(zip(words + [f"w{i}" for i in free[len(words) :]], free, strict=True))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -1,16 +1,26 @@
 """The pure parts of ``benchmarks/vllm_bench_serve.py`` (no server is started): reading /metrics, the
-KV limit, the benchmark's arguments as vLLM's own parser reads them, and the targets' verdicts."""
+KV limit, each family's N and cache, the benchmark's and the servers' arguments as vLLM's own parsers
+read them, and the targets' verdicts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 from vllm.benchmarks.serve import add_cli_args
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from benchmarks import qwen3_vl_layout
 from benchmarks import vllm_bench_serve as bench
-from benchmarks.vllm_bench_serve import Cell, Row
+from benchmarks.vllm_bench_serve import FAMILIES, Cell, Row
+from priortr.adapters.qwen3_vl import deepstack_layers
+from priortr.engine.config import check_injection
+from priortr.integrations.vllm.settings import engine_config
+
+LLAVA, QWEN3_VL = FAMILIES["llava-1.5"], FAMILIES["qwen3-vl"]
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -47,12 +57,56 @@ def test_kv_limit_by_hand():
     assert bench.token_limit(44, 576, 576, 32) == 1.0
 
 
+def test_qwen3_vl_n_and_cache_by_hand():
+    """Qwen3-VL: 16-px patches merged 2 x 2, so a 768 x 768 image is (768 / 32)^2 = 24 x 24 = 576 visual
+    tokens; its prompt 4 template + 40 text + 576 = 620 tokens, 652 with the answer: 21 blocks of 32
+    (20.4), K = 64 keeps 44 + 64 + 32 = 140 (5 blocks, 4.4); 8 stock requests are 168 blocks and
+    vLLM's null block 169, the LLaVA run's cache."""
+    assert (QWEN3_VL.image_size, QWEN3_VL.image_tokens, QWEN3_VL.template_tokens) == (768, 576, 4)
+    stock = QWEN3_VL.template_tokens + bench.TEXT_TOKENS + QWEN3_VL.image_tokens + bench.ANSWER_TOKENS
+    assert stock == 652
+    assert bench.kv_blocks(stock, bench.BLOCK_SIZE) == 21
+    assert bench.kv_blocks(44 + 64 + 32, bench.BLOCK_SIZE) == 5
+    assert bench.cache_blocks(QWEN3_VL, 8) == 169
+    assert bench.cache_blocks(LLAVA, 8) == 169  # what docs/benchmarks.md's LLaVA run used
+    assert bench.token_limit(44, 576, 64, 32) == pytest.approx(652 / 140)
+
+
+def test_qwen3_vl_processor_makes_the_table_s_n_and_template_count():
+    """The layout's own processor and chat template, on one random-mm-sized image and 40 words: N image
+    pads, and template_tokens tokens besides the words and pads (the image before the question)."""
+    processor = qwen3_vl_layout.qwen3_vl_processor()
+    words = " ".join(["what"] * bench.TEXT_TOKENS)
+    messages = [{"role": "user", "content": [{"type": "text", "text": words}, {"type": "image"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    side = QWEN3_VL.image_size
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (side, side, 3), dtype=np.uint8))
+    ids = processor(text=[prompt], images=[picture], return_tensors="pt")["input_ids"][0].tolist()
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert ids.count(pad) == QWEN3_VL.image_tokens
+    assert len(ids) - ids.count(pad) - bench.TEXT_TOKENS == QWEN3_VL.template_tokens
+    last_pad = len(ids) - 1 - ids[::-1].index(pad)
+    assert ids[last_pad + 2 : last_pad + 2 + bench.TEXT_TOKENS] == ids[-1 - bench.TEXT_TOKENS : -1]
+
+
+def test_qwen3_vl_layer_is_the_first_the_plug_in_allows():
+    """The plug-in refuses a scored layer before the last DeepStack injection (layer J - 1): the
+    family's layer passes the check the engine runs at start; one layer earlier is refused."""
+    config = qwen3_vl_layout.qwen3_vl_config(hidden=512, layers=8)
+    injected = deepstack_layers(config.vision_config, 8)
+    assert injected == qwen3_vl_layout.DEEPSTACK_LEVELS == 3
+    settings = {"method": "priortr", "budget": 64, "layer": QWEN3_VL.layer}
+    check_injection(engine_config(settings, 8), injected, 8)
+    with pytest.raises(ValueError, match="DeepStack"):
+        check_injection(engine_config({**settings, "layer": QWEN3_VL.layer - 1}, 8), injected, 8)
+
+
 def test_bench_arguments_are_vllms():
     """vLLM's own parser reads every argument the script passes, to the values meant."""
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(
-        bench.bench_argv("http://127.0.0.1:1", "/m", 128, 16, 32, 7, Path("/r/cell.json"))
+        bench.bench_argv("http://127.0.0.1:1", "/m", LLAVA, 128, 16, 32, 7, Path("/r/cell.json"))
     )
     assert (args.backend, args.dataset_name, args.endpoint) == (
         "openai-chat",
@@ -66,8 +120,34 @@ def test_bench_arguments_are_vllms():
     assert args.extra_body == {"mm_processor_kwargs": {"priortr": {"budget": 128}}}
     assert (args.ignore_eos, args.temperature, args.save_result) == (True, 0.0, True)
     assert (args.result_dir, args.result_filename) == ("/r", "cell.json")
-    stock = parser.parse_args(bench.bench_argv("http://x", "/m", None, 1, 4, 0, Path("/r/s.json")))
+    stock = parser.parse_args(bench.bench_argv("http://x", "/m", LLAVA, None, 1, 4, 0, Path("/r/s.json")))
     assert stock.extra_body is None
+    qwen = parser.parse_args(bench.bench_argv("http://x", "/m", QWEN3_VL, 64, 4, 8, 1, Path("/r/q.json")))
+    assert qwen.random_mm_bucket_config == {(768, 768, 1): 1.0}
+    assert qwen.extra_body == {"mm_processor_kwargs": {"priortr": {"budget": 64}}}
+
+
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES)
+def test_server_arguments_are_vllms(family):
+    """vLLM's server parser reads every server's arguments: the same cache and block size for stock
+    and priortr, the priortr settings only on priortr's, the family's flags on both."""
+    parser = make_arg_parser(FlexibleArgumentParser())
+    blocks = bench.cache_blocks(family, 8)
+    stock, pruned = (
+        parser.parse_args(bench.server_argv(server, family, Path("/m"), Path("/t.jinja"), blocks, 2, 8000))
+        for server in (bench.STOCK, bench.PRIORTR)
+    )
+    for args in (stock, pruned):
+        assert (args.num_gpu_blocks_override, args.block_size, args.max_model_len) == (169, 32, 1024)
+        assert (args.model, args.chat_template, args.port) == ("/m", "/t.jinja", 8000)
+    assert stock.hf_overrides in (None, {})
+    assert pruned.hf_overrides == {
+        "priortr": {"method": "priortr", "budget": 64, "layer": 2, "request_budgets": [192, 128, 64]}
+    }
+    assert (stock.trust_request_mm_kwargs, pruned.trust_request_mm_kwargs) == (False, True)
+    limits = {"image": 1, "video": 0} if family is QWEN3_VL else None
+    assert stock.limit_mm_per_prompt == pruned.limit_mm_per_prompt
+    assert (stock.limit_mm_per_prompt or None) == limits
 
 
 def test_decoding_at_once_by_hand():
@@ -118,3 +198,13 @@ def test_targets_met_and_missed():
     assert "- requests/s vs stock at every C, K=64: 1.60x, 2.00x: met" in lines
     assert "- TTFT p99 at C=64, K=128: 950 ms vs stock 900 ms: MISSED" in lines
     assert "- TTFT p99 at C=64, K=64: 500 ms vs stock 900 ms: met" in lines
+
+
+def test_warmup_covers_every_budget_a_server_is_asked_for():
+    """Stock warms up without a budget, priortr's server at each of K = 192 / 128 / 64 (its cells' order),
+    each server with a default off at K = 64 alone."""
+    plan = bench.phases()
+    assert bench.warmup_budgets(plan, bench.STOCK) == [None]
+    assert bench.warmup_budgets(plan, bench.PRIORTR) == [192, 128, 64]
+    assert [bench.warmup_budgets(plan, off) for off in bench.DEFAULTS_OFF] == [[64]] * 3
+    assert bench.warmup_budgets(bench.phases(defaults_off=False), bench.DEFAULTS_OFF[0]) == []

@@ -11,10 +11,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +22,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.helpers.server import free_port, wait_healthy
 from tests.vllm.reference import QWEN_IMAGE, hf_tokens, image
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
@@ -32,12 +31,6 @@ REQUEST_BUDGETS = [2, 8]
 TOKENS = 10
 START_TIMEOUT_S = 240
 QUESTION = "what is in the image"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -63,20 +56,8 @@ def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}; see {log.name}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not answer /health within {START_TIMEOUT_S} s; see {log.name}")
-            time.sleep(2)
+        wait_healthy(process, url, START_TIMEOUT_S, Path(log.name))
         yield url
     finally:
         process.terminate()
