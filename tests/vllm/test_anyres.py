@@ -1,7 +1,8 @@
-"""LLaVA-NeXT (AnyRes crops on a CLIP tower, a newline feature after every grid row, a Llama language
-model) served by vLLM with the plug-in, against priortr.apply + HF generate().
+"""LLaVA-OneVision and LLaVA-NeXT (AnyRes crops, a newline feature after every grid row; the plug-in
+serves both with one mixin, ``models.AnyResImages``) served by vLLM with the plug-in, against
+priortr.apply + HF generate(): every test runs on each family's tiny checkpoint.
 
-The tiny checkpoint's crops are 28 px and 16 tokens: a 28x28 image is 36 tokens (base crop 16, one
+The tiny checkpoints' crops are 28 px and 16 tokens: a 28x28 image is 36 tokens (base crop 16, one
 4x4 crop and 4 newlines), 56x28 is 52 (a 4x8 grid), 56x56 is 88 (8x8 and 8 newlines). The newline
 rows are visual tokens of the image's run, pruned like the others. Negative controls patch a fault
 into the plug-in (decode one position off, the kept tokens' keys/values not written) and the answer
@@ -9,6 +10,8 @@ must then differ.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from vllm import LLM, SamplingParams
@@ -32,12 +35,38 @@ TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
 TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
 
 
+FAMILIES = {
+    "llava-onevision": (
+        "onevision_dir",
+        models.PruningLlavaOnevision,
+        "LlavaOnevisionForConditionalGeneration",
+    ),
+    "llava-next": ("llava_next_dir", models.PruningLlavaNext, "LlavaNextForConditionalGeneration"),
+}
+"""Each family's checkpoint fixture, plug-in class and vLLM architecture."""
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(llava_next_dir):
+def path(family: str, request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(FAMILIES[family][0])
+
+
+def limits(family: str, images: int) -> dict[str, int]:
+    """Images per prompt; OneVision serves videos too, which these prompts have none of."""
+    return {"image": images, "video": 0} if family == "llava-onevision" else {"image": images}
+
+
+@pytest.fixture(scope="module")
+def llm(family, path):
     engine = LLM(
-        model=str(llava_next_dir),
+        model=str(path),
         hf_overrides={"priortr": SETTINGS},
-        limit_mm_per_prompt={"image": 2},
+        limit_mm_per_prompt=limits(family, 2),
         **ENGINE,
     )
     yield engine
@@ -53,19 +82,20 @@ CASES = [
 ]
 
 
-def test_one_step_of_images_text_budgets_and_pruning_off(llm, llava_next_dir):
-    assert llm.apply_model(type) == [models.PruningLlavaNext]
-    assert "LlavaNextForConditionalGeneration" not in UNSERVED
+def test_one_step_of_images_text_budgets_and_pruning_off(llm, family, path):
+    _, cls, architecture = FAMILIES[family]
+    assert llm.apply_model(type) == [cls]
+    assert architecture not in UNSERVED
     outs = generate(llm, CASES)
     for index, ((prompt, images, budget), out) in enumerate(zip(CASES, outs, strict=True)):
-        expected = hf_tokens(llava_next_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
+        expected = hf_tokens(path, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert list(out.outputs[0].token_ids) == expected, index
     assert [len(out.prompt_token_ids) for out in outs] == [7 + 8, 7 + 12, 8 + 8, 7 + 52, 9]
     for case, out in zip(CASES[:3], outs[:3], strict=True):  # pruning changed the answers
-        assert hf_tokens(llava_next_dir, *case[:2], None, TOKENS) != list(out.outputs[0].token_ids)
+        assert hf_tokens(path, *case[:2], None, TOKENS) != list(out.outputs[0].token_ids)
 
 
-def test_requests_arriving_while_others_decode(llm, llava_next_dir):
+def test_requests_arriving_while_others_decode(llm, path):
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     cases = [
@@ -78,36 +108,34 @@ def test_requests_arriving_while_others_decode(llm, llava_next_dir):
     requests = {index: vllm_request(*cases[index]) for index in range(len(cases))}
     results = run_arrivals(engine, requests, arrivals, params)
     for index, (prompt, images, budget) in enumerate(cases):
-        expected = hf_tokens(llava_next_dir, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
+        expected = hf_tokens(path, prompt, images, apply_settings(SETTINGS, images, budget), TOKENS)
         assert results[index] == expected, index
 
 
-def test_wrong_decode_offset_is_caught(llm, llava_next_dir, monkeypatch):
+def test_wrong_decode_offset_is_caught(llm, path, monkeypatch):
     """Negative control: decoding one position off the original positions changes the answer."""
     shift_decode_offset(monkeypatch)
     case = CASES[0]
     out = generate(llm, [case])[0]
-    assert list(out.outputs[0].token_ids) != hf_tokens(llava_next_dir, *case[:2], SETTINGS, TOKENS)
+    assert list(out.outputs[0].token_ids) != hf_tokens(path, *case[:2], SETTINGS, TOKENS)
 
 
-def test_skipped_kv_rewrite_is_caught(llm, llava_next_dir, monkeypatch):
+def test_skipped_kv_rewrite_is_caught(llm, path, monkeypatch):
     """Negative control: leaving layers 0..L's cache without the kept tokens' keys/values changes the
     answer."""
     skip_kv_rewrite(monkeypatch)
     case = CASES[1]
     out = generate(llm, [case])[0]
-    assert list(out.outputs[0].token_ids) != hf_tokens(
-        llava_next_dir, *case[:2], {**SETTINGS, **case[2]}, TOKENS
-    )
+    assert list(out.outputs[0].token_ids) != hf_tokens(path, *case[:2], {**SETTINGS, **case[2]}, TOKENS)
 
 
-def test_preemption_by_recompute_is_exact(llava_next_dir):
+def test_preemption_by_recompute_is_exact(family, path):
     """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 15-token prompts decoding 40
     tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
     engine = LLM(
-        model=str(llava_next_dir),
+        model=str(path),
         hf_overrides={"priortr": SETTINGS},
-        limit_mm_per_prompt={"image": 1},
+        limit_mm_per_prompt=limits(family, 1),
         num_gpu_blocks_override=4,
         disable_log_stats=False,
         block_size=32,
@@ -117,7 +145,7 @@ def test_preemption_by_recompute_is_exact(llava_next_dir):
     outs = generate(engine, cases, tokens=40)
     stats = engine.llm_engine.get_metrics()
     for (prompt, images), out in zip(cases, outs, strict=True):
-        assert list(out.outputs[0].token_ids) == hf_tokens(llava_next_dir, prompt, images, SETTINGS, 40)
+        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, SETTINGS, 40)
     preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
     assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
     del engine
