@@ -55,7 +55,12 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, embedded_tokens, served_config
+from priortr.integrations.vllm.processor import (
+    ENCODED_KEY,
+    PROMPT_LENGTH_KEY,
+    embedded_tokens,
+    served_config,
+)
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -118,6 +123,7 @@ class PruningModel:
         stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a
         chunk boundary may fall inside an unpruned image."""
         pruned = kwargs.pop(PROMPT_LENGTH_KEY, None) is not None  # read by get_mrope_input_positions
+        kwargs.pop(ENCODED_KEY, None)  # read by the scheduler
         embeddings = super().embed_multimodal(**kwargs)
         if not pruned:
             return embeddings

@@ -40,6 +40,9 @@ from priortr.integrations.vllm.settings import (
 PROMPT_LENGTH_KEY = "priortr_prompt_length"
 """The field of a pruned request's image items that holds the length of the request's scheduled
 prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
+ENCODED_KEY = "priortr_encoded_tokens"
+"""The field of a pruned request's image items that holds the image's N, the embeddings its encoder
+computes and the engine caches (it has K placeholders): the scheduler charges N (``scheduler.py``)."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
@@ -170,7 +173,10 @@ class PruningProcessor:
         out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
-        items = [with_prompt_length(item, length) for item in out["mm_kwargs"]["image"]]
+        items = [
+            with_prompt_length(item, length, encoded)
+            for item, encoded in zip(out["mm_kwargs"]["image"], tokens, strict=True)
+        ]
         return {
             **out,
             "prompt_token_ids": prompt,
@@ -205,8 +211,11 @@ def check_step_limit(length: int, limit: int | None) -> None:
         )
 
 
-def with_prompt_length(item: MultiModalKwargsItem | None, length: int) -> MultiModalKwargsItem | None:
-    """``item`` (an image of a pruned request) with the request's prompt length as one more field.
+def with_prompt_length(
+    item: MultiModalKwargsItem | None, length: int, encoded: int
+) -> MultiModalKwargsItem | None:
+    """``item`` (an image of a pruned request) with the request's prompt length as one more field, and
+    the image's ``encoded`` embeddings (N) as another, which the scheduler charges.
 
     vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
     asks the model for its positions again, so the prompt length cannot be read from the tokens.
@@ -216,7 +225,8 @@ def with_prompt_length(item: MultiModalKwargsItem | None, length: int) -> MultiM
     if item is None:
         return None
     field = MultiModalFieldElem(data=torch.tensor(length), field=MultiModalBatchedField(keep_on_cpu=True))
-    return MultiModalKwargsItem({**item, PROMPT_LENGTH_KEY: field})
+    count = MultiModalFieldElem(data=torch.tensor(encoded), field=MultiModalBatchedField(keep_on_cpu=True))
+    return MultiModalKwargsItem({**item, PROMPT_LENGTH_KEY: field, ENCODED_KEY: count})
 
 
 def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[int]:
