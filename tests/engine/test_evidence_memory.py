@@ -27,13 +27,14 @@ ATTENTION_METHODS = sorted(
 TEXT_AFTER = 40  # R = 42 recomputed rows: chunks of 1 and 5 rows cut them unevenly
 
 
-def pruned(model, batch, method: str, chunk: int | None, monkeypatch) -> Any:
-    """The last prefill's record under ``method`` with chunks of ``chunk`` rows' elements (None: the
-    default, one chunk here)."""
+def pruned(model, batch, method: str, chunk: int | None, monkeypatch, heads: str = "mean") -> Any:
+    """The last prefill's record under ``method`` (aggregating ``heads``) with chunks of ``chunk``
+    elements (None: the default, one chunk here)."""
     if chunk is not None:
         monkeypatch.setattr(evidence, "ROW_CHUNK_ELEMENTS", chunk)
     one_layer = get_method(method).where == "layer"
     settings = {"budget": 6, "layer": 1} if one_layer else {"stages": [(1, 8), (2, 4)]}
+    settings["heads"] = heads
     with priortr.apply(model, method=method, **settings) as handle, torch.no_grad():
         model(**batch.kwargs())
     monkeypatch.undo()
@@ -46,17 +47,19 @@ def float64_model():
     return model, llava_batch(model, 2, text_after=(TEXT_AFTER,))
 
 
-@pytest.mark.parametrize("method", ATTENTION_METHODS)
-def test_chunked_rows_choose_and_score_as_one_tensor(float64_model, method, monkeypatch):
+@pytest.mark.parametrize(
+    ("method", "heads"), [*((name, "mean") for name in ATTENTION_METHODS), ("priortr", "max")]
+)
+def test_chunked_rows_choose_and_score_as_one_tensor(float64_model, method, heads, monkeypatch):
     """Float64 model, two left-padded rows: chunks of one row and of five rows against one chunk. The
     prior and last rows are picked, not computed, so they match bit for bit; the posterior is a sum over
     rows in another order, equal within 1e-12 (float64 running sums, float32 evidence: equal here to
     the last bit)."""
     model, batch = float64_model
-    whole = pruned(model, batch, method, None, monkeypatch)
-    heads, seq = model.config.text_config.num_attention_heads, batch.seq_len
+    whole = pruned(model, batch, method, None, monkeypatch, heads)
+    row = 2 * model.config.text_config.num_attention_heads * batch.seq_len  # B H S' elements
     for rows in (1, 5):
-        chunked = pruned(model, batch, method, 2 * heads * seq * rows, monkeypatch)
+        chunked = pruned(model, batch, method, row * rows, monkeypatch, heads)
         assert torch.equal(chunked.kept, whole.kept), rows
         assert (chunked.prior is None) == (whole.prior is None)  # a merging method records no prior
         if whole.prior is not None:

@@ -219,12 +219,17 @@ def test_the_encoder_cache_counts_n_per_pruned_image():
     assert cache.num_free_slots == 40 - 30
 
 
-@pytest.mark.parametrize(("size", "room"), [(20, True), (15, False)])
-def test_the_encoder_cache_counts_a_requests_earlier_images(size, room):
-    """Two pruned images of N = 8 (K = 2) in one call: vLLM passes the first's K (2) as already
-    scheduled; the second needs 2 + 2 + (8 - 2) * 2 = 16 slots."""
+@pytest.mark.parametrize(("taken", "room"), [(0, True), (5, False)])
+def test_the_encoder_cache_counts_a_requests_earlier_images(taken, room):
+    """Two pruned images of N = 8 (K = 2) in one call, in a cache of 20 where another request holds
+    ``taken``: vLLM passes the first's K (2) as already scheduled; the second needs
+    2 + 2 + (8 - 2) * 2 = 16 slots."""
+    cache = PrunedEncoderCache(20)
+    if taken:
+        other = cache_request("held", (taken, taken))
+        assert cache.can_allocate(other, 0, 100, 0)
+        cache.allocate(other, 0)
     request = cache_request("c", (8, 2), (8, 2))
-    cache = PrunedEncoderCache(size)
     assert cache.can_allocate(request, 0, 100, 0)
     assert cache.can_allocate(request, 1, 100, 2) is room
 
