@@ -384,8 +384,8 @@ def group_attention(
         heads, n_rows = per_pool.shape[1], per_pool.shape[2]
         visual = per_pool.gather(3, columns.expand(-1, heads, n_rows, -1))  # [G, H, r, n]
         del block, per_pool
-        prior = _take_rows(visual, prior_rows - chunk.start, prior)
-        last_row = _take_rows(visual, (last - chunk.start).expand(-1, size), last_row)
+        prior = _take_rows(visual, prior_rows, chunk, attention.count, prior)
+        last_row = _take_rows(visual, last.expand(-1, size), chunk, attention.count, last_row)
         aggregated = aggregate_heads(visual.transpose(1, 2), config.heads)  # [G, r, n]
         kept = torch.where(valid[:, chunk, None], aggregated, torch.zeros((), dtype=aggregated.dtype))
         summed = kept.sum(dim=1)  # [G, n]
@@ -405,13 +405,18 @@ def group_attention(
     return fields
 
 
-def _take_rows(visual: torch.Tensor, local: torch.Tensor, taken: torch.Tensor | None) -> torch.Tensor:
-    """``taken`` [G, H, n] (None: zeros) with each token's entry replaced by its row of this chunk
-    ``visual`` [G, H, r, n] where that row, at ``local`` [G, n] within the chunk, lies in it; on the
-    device, without a host sync."""
-    n_rows = visual.shape[2]
+def _take_rows(
+    visual: torch.Tensor, rows: torch.Tensor, chunk: slice, count: int, taken: torch.Tensor | None
+) -> torch.Tensor:
+    """Each token's entry of its row ``rows`` [G, n] (indices into the R = ``count`` rows) in this chunk
+    ``visual`` [G, H, r, n] of rows ``chunk``, where the row lies in the chunk; ``taken`` [G, H, n]
+    (None: zeros) elsewhere. On the device, without a host sync; one chunk of every row is a gather."""
+    heads, n_rows = visual.shape[1], visual.shape[2]
+    if n_rows == count:
+        return visual.gather(2, rows[:, None, None, :].expand(-1, heads, 1, -1)).squeeze(2)
+    local = rows - chunk.start
     inside = (local >= 0) & (local < n_rows)  # [G, n]
-    index = local.clamp(0, n_rows - 1)[:, None, None, :].expand(-1, visual.shape[1], 1, -1)
+    index = local.clamp(0, n_rows - 1)[:, None, None, :].expand(-1, heads, 1, -1)
     picked = visual.gather(2, index).squeeze(2)  # [G, H, n]
     before = torch.zeros((), dtype=picked.dtype) if taken is None else taken
     return torch.where(inside[:, None, :], picked, before)
