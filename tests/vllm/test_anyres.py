@@ -131,28 +131,6 @@ def test_skipped_kv_rewrite_is_caught(llm, path, monkeypatch):
     assert list(out.outputs[0].token_ids) != hf_tokens(path, *case[:2], {**SETTINGS, **case[2]}, TOKENS)
 
 
-def test_preemption_by_recompute_is_exact(family, path):
-    """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 15-token prompts decoding 40
-    tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
-    engine = LLM(
-        model=str(path),
-        hf_overrides={"priortr": SETTINGS},
-        limit_mm_per_prompt=limits(family, 1),
-        num_gpu_blocks_override=4,
-        disable_log_stats=False,
-        block_size=32,
-        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
-    )
-    cases = [(ONE, [image(56, 20 + i, height=28)]) for i in range(4)]
-    outs = generate(engine, cases, tokens=40)
-    stats = engine.llm_engine.get_metrics()
-    for (prompt, images), out in zip(cases, outs, strict=True):
-        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, SETTINGS, 40)
-    preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
-    assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
-    del engine
-
-
 ADJACENT = "USER: <image><image> what is in the image ASSISTANT:"  # 7 text tokens
 """Two images back to back, as LLaVA-OneVision's llava-hf chat template writes a message's images."""
 ADJACENT_CASES = [
@@ -195,7 +173,41 @@ def test_budget_split_per_image_is_caught(llm, path, monkeypatch):
     assert list(out.outputs[0].token_ids) != hf_tokens(path, *case[:2], SETTINGS, TOKENS)
 
 
+def test_split_run_fills_the_images_in_order():
+    """Hand-computed splits: each image 1 to N slots, the first images filled first, the sum the run's K."""
+    assert processor.split_run(8, [52, 36]) == [7, 1]
+    assert processor.split_run(40, [36, 88]) == [36, 4]
+    assert processor.split_run(5, [2, 2, 3]) == [2, 2, 1]
+    assert processor.split_run(3, [2, 2, 3]) == [1, 1, 1]
+    assert processor.split_run(6, [16]) == [6]
+    with pytest.raises(ValueError, match="keeps 1 tokens of a run of 2 images"):
+        processor.split_run(1, [16, 16])
+
+
 def test_run_keeping_fewer_tokens_than_its_images_is_refused(llm):
     """vLLM places an image on at least one token: a run of two images keeping one is refused."""
     with pytest.raises(ValueError, match="ask for a larger budget, or put text between images"):
         generate(llm, [(ADJACENT, [image(28, 7), image(28, 8)], {"budget": 1})])
+
+
+def test_preemption_by_recompute_is_exact(family, path):
+    """A KV cache of 4 blocks of 32 tokens (3 usable) cannot hold four 15-token prompts decoding 40
+    tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step. Last in the
+    module: deleting its engine tears down vLLM's process groups, which the module's engine needs."""
+    engine = LLM(
+        model=str(path),
+        hf_overrides={"priortr": SETTINGS},
+        limit_mm_per_prompt=limits(family, 1),
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
+        block_size=32,
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
+    )
+    cases = [(ONE, [image(56, 20 + i, height=28)]) for i in range(4)]
+    outs = generate(engine, cases, tokens=40)
+    stats = engine.llm_engine.get_metrics()
+    for (prompt, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_tokens(path, prompt, images, SETTINGS, 40)
+    preempted = [metric for metric in stats if metric.name == "vllm:num_preemptions"]
+    assert preempted and preempted[0].value > 0, "the cache was large enough: nothing was preempted"
+    del engine
