@@ -272,9 +272,9 @@ def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent:
         run: list[int] = []
         for i in pending:
             run.append(i)
-            if sum(spans[i][1] for i in run) >= size:
+            if sum(spans[j][1] for j in run) >= size:
                 break
-        if not run or spans[run[0]][0] != start or sum(spans[i][1] for i in run) != size:
+        if not run or spans[run[0]][0] != start or sum(spans[j][1] for j in run) != size:
             raise ValueError(
                 "priortr: the images vLLM laid out in this prompt are not the runs of image tokens "
                 f'priortr.apply prunes; send it with mm_processor_kwargs={{"{SETTINGS_KEY}": '
