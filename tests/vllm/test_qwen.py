@@ -111,3 +111,16 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     cut = [name for name, runs in scheduled.items() if any(a == step and b > 1 for a, b in pairwise(runs))]
     assert bool(cut) == (step == 20)  # a re-prefill cut after its prompt, only where a step is short
     del engine
+
+
+def test_adjacent_images_are_refused_with_the_reason(served):
+    """Qwen's chat template wraps every image in ``<|vision_start|>`` ... ``<|vision_end|>``; two
+    ``<|image_pad|>`` in one pair (a raw prompt) are one run for priortr.apply, whose M-RoPE positions
+    the plug-in has not checked: refused in the front end, with the reason and the fix."""
+    _, llm = served
+    adjacent = (
+        "USER: <|vision_start|><|image_pad|><|image_pad|><|vision_end|> what is in the image ASSISTANT:"
+    )
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"never writes two images back to back.*put text between images"):
+        llm.generate([vllm_request(adjacent, [image(56, 7), image(56, 8)])], params, use_tqdm=False)

@@ -42,7 +42,10 @@ from priortr.integrations.vllm.processor import PruningProcessor
 
 
 class LlavaProcessor(PruningProcessor, llava.LlavaMultiModalProcessor):
-    """LLaVA-1.5's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-1.5's processor, pruned requests cut to K placeholders per image (adjacent images: one
+    run, one budget, as ``priortr.apply`` prunes them)."""
+
+    adjacent_images = True
 
 
 class Qwen2VLProcessor(PruningProcessor, qwen2_vl.Qwen2VLMultiModalProcessor):
@@ -63,11 +66,18 @@ class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
 
 
 class LlavaNextProcessor(PruningProcessor, llava_next.LlavaNextMultiModalProcessor):
-    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image (adjacent images: one
+    run, one budget, as ``priortr.apply`` prunes them)."""
+
+    adjacent_images = True
 
 
 class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
-    """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image (adjacent images, as
+    its llava-hf chat template writes a message's images: one run, one budget, as ``priortr.apply``
+    prunes them)."""
+
+    adjacent_images = True
 
 
 class Mistral3Processor(PruningProcessor, mistral3.Mistral3MultiModalProcessor):
