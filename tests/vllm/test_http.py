@@ -93,6 +93,19 @@ def chat(
     """Greedy token ids of one chat completion of QUESTION about ``pictures``; ``budget`` is the
     request's priortr setting, ``processor`` other mm_processor_kwargs, ``media`` its
     media_io_kwargs."""
+    return chat_reply(url, model, pictures, budget, processor, media)["choices"][0]["token_ids"]
+
+
+def chat_reply(
+    url: str,
+    model: str,
+    pictures: list[Image.Image],
+    budget: dict | None,
+    processor: dict | None = None,
+    media: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """The server's whole reply to ``chat``'s request, with the body fields ``extra`` added."""
     content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
     body = {
         "model": model,
@@ -101,6 +114,7 @@ def chat(
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **(extra or {}),
     }
     if budget is not None or processor:
         body["mm_processor_kwargs"] = {
@@ -114,11 +128,10 @@ def chat(
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
-            answer = json.load(reply)
+            return json.load(reply)
     except urllib.error.HTTPError as error:
         error.msg = f"{error.msg}: {error.read().decode()[:500]}"
         raise
-    return answer["choices"][0]["token_ids"]
 
 
 def test_chat_completions_match_hf(server, llava_dir):
@@ -158,6 +171,20 @@ def test_burst_on_one_image_with_mixed_budgets_matches_hf(server, llava_dir):
         with ThreadPoolExecutor(len(budgets)) as pool:
             answers = list(pool.map(lambda budget: chat(server, str(llava_dir), [picture], budget), budgets))
         assert answers == expected
+
+
+def test_usage_and_prompt_logprobs_describe_the_pruned_prompt(server, llava_dir):
+    """docs/serving.md, What a pruned request reports: a pruned request's usage.prompt_tokens and
+    prompt_logprobs cover the prompt vLLM scheduled, text + K per image (the engine's K = 4 of the
+    image's 16 tokens), an unpruned one's text + N; the text is the same."""
+    picture = image(28, 90)
+    extra = {"prompt_logprobs": 0}
+    pruned = chat_reply(server, str(llava_dir), [picture], None, extra=extra)
+    unpruned = chat_reply(server, str(llava_dir), [picture], {"enabled": False}, extra=extra)
+    assert unpruned["usage"]["prompt_tokens"] - pruned["usage"]["prompt_tokens"] == 16 - 4
+    for reply in (pruned, unpruned):
+        assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+        assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize(
