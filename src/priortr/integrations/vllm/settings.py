@@ -12,9 +12,9 @@ every Hugging Face processor keyword and every media-loading keyword; a served p
 ``priortr`` alone in ``mm_processor_kwargs`` (plus the keywords the operator lists in
 ``request_processor_kwargs``), no ``media_io_kwargs`` of its own (but those the operator lists in
 ``request_media_io_kwargs``), and a budget other than the engine's only where the operator lists it
-in ``request_budgets`` (default deny: a small budget makes a request's N encoder rows weigh N / K times
-what vLLM charges it, docs/serving.md). Turning pruning off is always allowed: it costs what a request
-on stock vLLM costs.
+in ``request_budgets`` (default deny: the budgets clients may pick, and so the smallest K a request
+may bring, are the operator's choice; docs/serving.md, Security). Turning pruning off is always
+allowed: it costs what a request on stock vLLM costs.
 """
 
 from __future__ import annotations
