@@ -6,6 +6,8 @@ starts; a model config without priortr settings gets vLLM's own class."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -139,6 +141,21 @@ def test_error_while_registering_refuses_a_priortr_model(monkeypatch, caplog, ll
     with pytest.raises(ValueError, match=r"not active \(registering it .* ImportError: .*>=0\.32,<0\.34"):
         engine_config(llava_dir, {"method": "priortr", "budget": 4})
     engine_config(llava_dir, None)
+
+
+def test_server_help_runs_on_an_unsupported_vllm():
+    """vLLM loads the plug-in while it parses the server's command line: with the version reported
+    as 0.99.0 the plug-in installs its guard, says so once, and --help still prints and exits 0."""
+    script = (
+        "import runpy, sys, vllm; vllm.__version__ = '0.99.0'; sys.argv = ['api_server', '--help']; "
+        "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--hf-overrides" in done.stdout
+    assert (
+        "plug-in is not active (it supports vLLM >=0.32,<0.34 and found 0.99.0)" in done.stdout + done.stderr
+    )
 
 
 def test_registered_plug_in_starts_a_priortr_model(llava_dir, unregistered):
