@@ -31,6 +31,8 @@ from tests.vllm.harness import (
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
+REQUEST_BUDGETS = [12, 4]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = ANSWER_TOKENS
 ONE = "USER: <image> what is in the image ASSISTANT:"  # 7 text tokens
 TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
@@ -67,7 +69,7 @@ def limits(family: str, images: int) -> dict[str, int]:
 def llm(family, path):
     engine = LLM(
         model=str(path),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt=limits(family, 2),
         **ENGINE,
     )
@@ -196,7 +198,7 @@ def test_preemption_by_recompute_is_exact(family, path):
     module: deleting its engine tears down vLLM's process groups, which the module's engine needs."""
     engine = LLM(
         model=str(path),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt=limits(family, 1),
         num_gpu_blocks_override=4,
         disable_log_stats=False,

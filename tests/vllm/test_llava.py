@@ -15,13 +15,20 @@ from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrit
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [8, 2, 6]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = 12
 QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat red or blue in this image"]
 
 
 @pytest.fixture(scope="module")
 def llm(llava_dir):
-    engine = LLM(model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, enable_mm_embeds=True, **ENGINE)
+    engine = LLM(
+        model=str(llava_dir),
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
+        enable_mm_embeds=True,
+        **ENGINE,
+    )
     yield engine
     del engine
 

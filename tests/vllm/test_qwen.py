@@ -12,6 +12,8 @@ from vllm import LLM, SamplingParams
 from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
+REQUEST_BUDGETS = [10, 5, 0.25]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = 12
 ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
 TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
@@ -23,7 +25,7 @@ def served(request):
     path = request.getfixturevalue(request.param)
     engine = LLM(
         model=str(path),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
@@ -82,7 +84,7 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     on: the re-prefill must not hit the request's own blocks either."""
     engine = LLM(
         model=str(qwen_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         num_gpu_blocks_override=4,
         disable_log_stats=False,

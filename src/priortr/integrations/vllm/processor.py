@@ -32,6 +32,7 @@ from priortr.engine.plan import plan_on_host
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     check_request_kwargs,
+    check_request_media,
     engine_config,
     request_config,
     request_policy,
@@ -161,8 +162,9 @@ class PruningProcessor:
         if engine is None:
             return super().apply(inputs, timing_ctx)
         policy = request_policy(getattr(hf_config, SETTINGS_KEY))
-        engine_defaults = self.info.ctx.model_config.multimodal_config.mm_processor_kwargs or {}
-        check_request_kwargs(inputs.hf_processor_mm_kwargs, engine_defaults, policy)
+        operator = self.info.ctx.model_config.multimodal_config  # the engine's --mm-processor-kwargs etc.
+        check_request_kwargs(inputs.hf_processor_mm_kwargs, operator.mm_processor_kwargs or {}, policy)
+        check_request_media(inputs.media_io_kwargs, operator.media_io_kwargs or {}, policy)
         config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
         if config is None:
             return super().apply(inputs, timing_ctx)

@@ -20,6 +20,7 @@ from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from priortr.integrations.vllm.architectures import UNSERVED
 from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
     LinearRopeConfigHook,
@@ -181,28 +182,6 @@ FAMILIES = (
     ),
 )
 """Every served family, one row each: ``register_all`` registers them all alike."""
-NOT_YET = "no plug-in class wraps its vLLM model yet"
-UNSERVED = {
-    "InternVLChatModel": (
-        "InternVL's original layout, whose config and modeling code are the checkpoint's own remote code "
-        "(trust_remote_code), which priortr.apply has no adapter for, so the plug-in's answers could not be "
-        "checked against it; serve the Hugging Face format, InternVLForConditionalGeneration (the "
-        "OpenGVLab/*-hf checkpoints)"
-    ),
-    "Gemma3ForConditionalGeneration": (
-        "its sliding-window layers would count their window over the request's cache slots in vLLM (text + "
-        "K per image after the cut) but over the prompt's positions in priortr.apply (text + N), so answers "
-        "differ once a request's unpruned length passes the window; and vLLM's CPU attention has no "
-        "bidirectional masks for the tokens of an image (stock vLLM on CPU attends causally within a Gemma 3 "
-        "image, where transformers attends both ways)"
-    ),
-    "Idefics3ForConditionalGeneration": NOT_YET,
-    "Glm4vForConditionalGeneration": NOT_YET,
-    "Llama4ForConditionalGeneration": NOT_YET,
-}
-"""vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve, with the
-reason: a config with ``priortr`` settings is refused at engine start instead of being served unpruned
-(docs/serving.md)."""
 
 
 def register_all() -> None:
