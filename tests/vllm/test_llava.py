@@ -10,6 +10,7 @@ import pytest
 import torch
 from vllm import LLM, SamplingParams
 
+from priortr.engine import evidence
 from priortr.integrations.vllm import models
 from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrite
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
@@ -111,6 +112,25 @@ def test_requests_arriving_while_others_decode(llm, llava_dir):
             llava_dir, LLAVA_PROMPT.format(QUESTIONS[index % 3]), [image(28, 10 + index)], settings, TOKENS
         )
         assert results[index] == expected, index
+
+
+def test_evidence_a_row_at_a_time_matches_hf(llm, llava_dir, monkeypatch):
+    """The step's attention evidence reduced one text row at a time (``evidence.RowAttention``, the
+    chunk forced to one row) answers as HF + priortr.apply with the whole rows in one chunk."""
+    chunks: list[slice] = []
+    rows = evidence.RowAttention.rows
+
+    def counted(self, chunk):
+        chunks.append(chunk)
+        return rows(self, chunk)
+
+    monkeypatch.setattr(evidence, "ROW_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(evidence.RowAttention, "rows", counted)
+    out = generate(llm, [request(QUESTIONS[2], 2)])[0]
+    monkeypatch.undo()
+    expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[2]), [image(28, 2)], SETTINGS, TOKENS)
+    assert list(out.outputs[0].token_ids) == expected
+    assert len(chunks) > 1 and all(chunk.stop - chunk.start == 1 for chunk in chunks)
 
 
 def test_wrong_decode_offset_is_caught(llm, llava_dir, monkeypatch):

@@ -59,6 +59,7 @@ from priortr.integrations.vllm.prefill_step import (
     prefill_prompt,
 )
 from priortr.integrations.vllm.processor import (
+    ENCODED_KEY,
     KEPT_KEY,
     PROMPT_LENGTH_KEY,
     embedded_tokens,
@@ -127,6 +128,7 @@ class PruningModel:
         vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may fall
         inside an unpruned image."""
         kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions
+        kwargs.pop(ENCODED_KEY, None)  # N, read by the scheduler
         kept = kwargs.pop(KEPT_KEY, None)  # K per image, a host tensor (keep_on_cpu)
         embeddings = super().embed_multimodal(**kwargs)
         if kept is None:

@@ -5,7 +5,8 @@ A step mixes requests: decodes, unpruned prefills, and pruned prefills whose sch
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
 through layers 0..L once, as one causal sequence outside the paged cache; the prompt is planned by the
 library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's attention rows
-(``priortr.engine.attention.attention_rows``) feed the stage core ``priortr.apply`` runs
+(``priortr.engine.evidence.RowAttention``, a chunk of rows at a time) feed the stage core
+``priortr.apply`` runs
 (``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
@@ -26,9 +27,9 @@ from itertools import pairwise
 import torch
 
 from priortr.adapters import FamilyAdapter
-from priortr.engine.attention import RowSpec, attention_rows
+from priortr.engine.attention import RowSpec
 from priortr.engine.config import PruningConfig
-from priortr.engine.evidence import Sources
+from priortr.engine.evidence import RowAttention, Sources
 from priortr.engine.plan import plan_prefill
 from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
@@ -270,11 +271,15 @@ def _survivors(
     plan = plan_prefill(adapter, hf_config, config, ids, valid, n_layers, counts=prompt.counts, device=device)
     if plan is None or plan.stages != (config.layer,) or config.layer != n_scored - 1:
         raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
-    queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, H, R, d]
-    local = attention_rows(
-        queries, parts.heads_view(k, parts.kv_heads), RowSpec(plan.text_rows, plan.valid), parts.scaling
-    )  # [1, h, R, S]: this rank's heads
-    attention = parts.every_head(local)  # [1, H, R, S]
+    queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, h, R, d]
+    attention = RowAttention(
+        queries,
+        parts.heads_view(k, parts.kv_heads),
+        RowSpec(plan.text_rows, plan.valid),
+        parts.scaling,
+        heads=hf_config.get_text_config().num_attention_heads,  # H, all ranks' heads: a chunk's size
+        gather=parts.every_head,  # each chunk's [1, h, r, S] rows joined with every rank's: [1, H, r, S]
+    )
     state = StageState.of_prompt(plan)
     sources = Sources(plan, state, config, hidden=output[None], attention=attention)
     outcome = run_stage(config.layer, sources, output[None])

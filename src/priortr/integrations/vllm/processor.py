@@ -44,6 +44,9 @@ prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``posi
 KEPT_KEY = "priortr_kept"
 """The field of a pruned request's image items that holds the image's K placeholders, read by
 ``embed_multimodal``, which hands the image's N encoder rows on as K rows (``models.py``)."""
+ENCODED_KEY = "priortr_encoded_tokens"
+"""The field of a pruned request's image items that holds the image's N, the embeddings its encoder
+computes and the engine caches (it has K placeholders): the scheduler charges N (``scheduler.py``)."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
@@ -186,8 +189,8 @@ class PruningProcessor:
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
         items = [
-            with_records(item, length, kept)
-            for item, kept in zip(out["mm_kwargs"]["image"], counts, strict=True)
+            with_records(item, length, kept, encoded)
+            for item, kept, encoded in zip(out["mm_kwargs"]["image"], counts, tokens, strict=True)
         ]
         return {
             **out,
@@ -223,9 +226,11 @@ def check_step_limit(length: int, limit: int | None) -> None:
         )
 
 
-def with_records(item: MultiModalKwargsItem | None, length: int, kept: int) -> MultiModalKwargsItem | None:
-    """``item`` (an image of a pruned request) with the request's prompt length and the image's K as
-    two more fields.
+def with_records(
+    item: MultiModalKwargsItem | None, length: int, kept: int, encoded: int
+) -> MultiModalKwargsItem | None:
+    """``item`` (an image of a pruned request) with the request's prompt length, the image's K and its
+    N (the ``encoded`` embeddings, which the scheduler charges) as three more fields.
 
     vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
     asks the model for its positions again, so the prompt length cannot be read from the tokens.
@@ -238,7 +243,7 @@ def with_records(item: MultiModalKwargsItem | None, length: int, kept: int) -> M
         return None
     fields = {
         key: MultiModalFieldElem(data=torch.tensor(value), field=MultiModalBatchedField(keep_on_cpu=True))
-        for key, value in ((PROMPT_LENGTH_KEY, length), (KEPT_KEY, kept))
+        for key, value in ((PROMPT_LENGTH_KEY, length), (KEPT_KEY, kept), (ENCODED_KEY, encoded))
     }
     return MultiModalKwargsItem({**item, **fields})
 
