@@ -31,7 +31,7 @@ from tests.vllm.harness import (
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
-REQUEST_BUDGETS = [12, 4]
+REQUEST_BUDGETS = [12, 4, 40, 1]
 """The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = ANSWER_TOKENS
 ONE = "USER: <image> what is in the image ASSISTANT:"  # 7 text tokens
