@@ -220,7 +220,7 @@ GATHERERS: dict[frozenset[str], Gatherer] = {
 
 def _text_after(plan: PrefillPlan, group: PoolGroup, device: torch.device) -> torch.Tensor:
     """[G, R] bool: the text rows from each pool's last separator on (the text after its items)."""
-    return to_device(stack_views([plan.pool_rows[i].after for i in group.indices]), device)
+    return stack_views([plan.pool_rows[i].after for i in group.indices]).to(device)
 
 
 def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
@@ -312,18 +312,15 @@ def group_attention(
     device = per_pool.device
     columns = group.columns.to(device)[:, None, None, :]
     visual = per_pool.gather(3, columns.expand(-1, heads, n_rows, -1))  # [G, H, R, n]
-    items = max(rows.prior.numel() for rows in pool_rows)
-    separator_rows = torch.zeros(len(pool_rows), items, dtype=torch.long)  # [G, I] each item's prior row
-    for g, rows in enumerate(pool_rows):
-        separator_rows[g, : rows.prior.numel()] = rows.prior
-    prior_rows = to_device(separator_rows, device).gather(1, group.item_of.to(device))  # [G, n]
+    separator_rows = _padded_stack([rows.prior for rows in pool_rows])  # [G, I] each item's prior row
+    prior_rows = separator_rows.to(device).gather(1, group.item_of.to(device))  # [G, n]
     prior = visual.gather(2, prior_rows[:, None, None, :].expand(-1, heads, 1, -1)).squeeze(2)  # [G, H, n]
     for g, pool in enumerate(group.pools):
         if len(pool.items) > 1:
             prior[g] = per_item_prior(prior[g], group.item_of[g].to(device), len(pool.items))
-    last = to_device(torch.tensor([rows.last for rows in pool_rows]), device)
+    last = stack_views([rows.last_index for rows in pool_rows]).to(device).flatten()  # [G]
     last_row = visual.gather(2, last[:, None, None, None].expand(-1, heads, 1, size)).squeeze(2)  # [G, H, n]
-    valid = to_device(stack_views([rows.posterior for rows in pool_rows]), device)  # [G, R]
+    valid = stack_views([rows.posterior for rows in pool_rows]).to(device)  # [G, R]
     fields: dict[str, Any] = {
         "attention": build_evidence(prior, visual, valid, last_row, heads=config.heads, seed=config.seed),
         "text_valid": valid,
@@ -331,6 +328,13 @@ def group_attention(
     if "text_rows" in config.method.needs:
         fields["text_rows"] = aggregate_heads(visual.transpose(1, 2).float(), config.heads)  # [G, R, n]
     return fields
+
+
+def _padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[G, I] the 1-D ``tensors`` stacked, zero-padded to the longest (device work only)."""
+    if len({tensor.numel() for tensor in tensors}) == 1:
+        return stack_views(tensors)
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
 
 
 def per_item_prior(prior: torch.Tensor, item_of: torch.Tensor, n_items: int) -> torch.Tensor:
