@@ -25,7 +25,9 @@ def llava():
 
 def _generate(model, batch, **kwargs):
     with torch.no_grad():
-        return model.generate(**batch.kwargs(), return_dict_in_generate=True, output_scores=True, **OPTIONS, **kwargs)
+        return model.generate(
+            **batch.kwargs(), return_dict_in_generate=True, output_scores=True, **OPTIONS, **kwargs
+        )
 
 
 @pytest.mark.parametrize("method", ["priortr", "pdrop"])
@@ -33,7 +35,9 @@ def _generate(model, batch, **kwargs):
 def test_the_static_cache_keeps_only_the_kept_slots(llava, method, batch_size):
     batch = llava_batch(llava, batch_size=batch_size)
     prompt = batch.kwargs()["input_ids"].shape[1]
-    slots = compat.cache.of_output(_generate(llava, batch, cache_implementation="static")).layers[0].keys.shape[2]
+    slots = (
+        compat.cache.of_output(_generate(llava, batch, cache_implementation="static")).layers[0].keys.shape[2]
+    )
     layer = 1 if method == "priortr" else None
     with priortr.apply(llava, method=method, budget=4, layer=layer) as handle:
         dynamic = _generate(llava, batch)

@@ -174,9 +174,7 @@ def _on_device(
     moved = iter(to_device_once(tensors, device))
     visual = next(moved)
     valid = next(moved) if copy_valid else valid
-    pools = tuple(
-        replace(pool, **{name: next(moved) for name in TENSOR_FIELDS}) for pool in host.pools
-    )
+    pools = tuple(replace(pool, **{name: next(moved) for name in TENSOR_FIELDS}) for pool in host.pools)
     text_rows = None if host.text_rows is None else next(moved)
     rows_of_pools = None
     if host.pool_rows is not None:
