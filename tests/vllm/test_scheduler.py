@@ -8,10 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, check_step_limit
+from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache
+from priortr.integrations.vllm.processor import ENCODED_KEY, PROMPT_LENGTH_KEY, check_step_limit
 from priortr.integrations.vllm.scheduler import PruningAsyncScheduler, PruningScheduler, pruned
 
 PROMPT = 67
@@ -54,7 +56,9 @@ def bare(monkeypatch) -> tuple[PruningScheduler, list, dict]:
 
     monkeypatch.setattr(Scheduler, "_try_schedule_encoder_inputs", choose)
     monkeypatch.setattr(Scheduler, "add_request", lambda self, request: calls.append(request))
-    return object.__new__(PruningScheduler), calls, cut
+    scheduler = object.__new__(PruningScheduler)
+    scheduler.max_num_scheduled_tokens, scheduler.max_num_encoder_input_tokens = 1000, 100
+    return scheduler, calls, cut
 
 
 def test_a_pruned_request_skips_the_prefix_cache_from_its_arrival(bare):
@@ -101,3 +105,141 @@ def test_a_pruned_prompt_longer_than_a_step_is_refused():
     check_step_limit(10_000, None)  # no config hook ran
     with pytest.raises(ValueError, match=r"87 tokens where a step holds 80 .* --max-num-batched-tokens"):
         check_step_limit(87, 80)
+
+
+N, K = 16, 4  # an image's embeddings and its kept placeholders
+
+
+def image_of(encoded: int = N, kept: int = K, prompt: int = PROMPT) -> SimpleNamespace:
+    """A pruned image: the prompt length and its N recorded by the processor, K placeholders."""
+    data = {PROMPT_LENGTH_KEY: SimpleNamespace(data=prompt), ENCODED_KEY: SimpleNamespace(data=encoded)}
+    return SimpleNamespace(
+        modality="image", data=data, mm_position=SimpleNamespace(get_num_embeds=lambda: kept)
+    )
+
+
+UNPRUNED_IMAGE = stand_in(
+    SimpleNamespace(modality="image", data={}, mm_position=SimpleNamespace(get_num_embeds=lambda: N))
+)
+
+
+@pytest.fixture
+def charging(monkeypatch) -> PruningScheduler:
+    """A PruningScheduler over a stand-in of vLLM's choice: every image of the request scheduled whole,
+    the encoder budget charged the placeholders' embeddings (K), as vLLM 0.33 charges
+    (``vllm/v1/core/sched/scheduler.py:2076,2198-2199``)."""
+
+    def choose(self, request, computed, new, budget, shift=0):
+        features = request.mm_features
+        return (
+            list(range(len(features))),
+            new,
+            budget - sum(f.mm_position.get_num_embeds() for f in features),
+            [],
+            [],
+        )
+
+    monkeypatch.setattr(Scheduler, "_try_schedule_encoder_inputs", choose)
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: "scheduled")
+    scheduler = object.__new__(PruningScheduler)
+    scheduler.max_num_scheduled_tokens, scheduler.max_num_encoder_input_tokens = 200, 100
+    return scheduler
+
+
+def test_the_encoder_budget_is_charged_n_per_pruned_image(charging):
+    """Each call is the first pruned prompt of its step (``schedule`` runs before it), so only the
+    encoder budget decides."""
+
+    def left(request, budget):
+        charging.schedule()
+        return charging._try_schedule_encoder_inputs(request, 0, PROMPT, budget)
+
+    assert left(stand_in(image_of(), image_of(24, 6)), 100)[2] == 100 - 16 - 24
+    one = stand_in(image_of())
+    assert left(one, 50)[2] == 50 - 16
+    assert left(one, 16)[2] == 0
+    assert left(one, 15) == ([], 0, 15, [], [])  # waits for a step with room for N
+    assert left(UNPRUNED_IMAGE, 50)[2] == 50 - 16  # vLLM's own charge
+    # A prompt whose images exceed the whole budget runs alone, as the step's first encoder work.
+    big = stand_in(image_of(150))
+    assert left(big, 100)[:3] == ([0], PROMPT, 0)
+    assert left(big, 99) == ([], 0, 99, [], [])
+
+
+def test_the_pruned_prompts_of_a_step_hold_at_most_a_step_of_whole_prompts(charging):
+    """S = P + N - K = 67 + 12 = 79 per prompt against a step of 200: two start, the third waits for
+    the next step; a prompt longer than a step starts only as its step's first pruned prompt."""
+    prompts = [stand_in(image_of()) for _ in range(3)]
+    assert charging.schedule() == "scheduled"
+    chosen = [charging._try_schedule_encoder_inputs(p, 0, PROMPT, 100)[1] for p in prompts]
+    assert chosen == [PROMPT, PROMPT, 0] and charging.pruned_tokens == 2 * 79
+    assert charging._try_schedule_encoder_inputs(UNPRUNED_IMAGE, 0, PROMPT, 100)[1] == PROMPT  # not counted
+    assert charging._try_schedule_encoder_inputs(prompts[2], PROMPT, 3, 100)[1] == 3  # after its prompt
+    charging.schedule()
+    assert charging.pruned_tokens == 0
+    assert charging._try_schedule_encoder_inputs(prompts[2], 0, PROMPT, 100)[1] == PROMPT
+    long = stand_in(image_of(150, K, PROMPT))  # S = 67 + 146 = 213 > 200
+    assert charging._try_schedule_encoder_inputs(long, 0, PROMPT, 100)[1] == 0
+    charging.schedule()
+    assert charging._try_schedule_encoder_inputs(long, 0, PROMPT, 100)[1] == PROMPT
+    assert charging.pruned_tokens == 213
+
+
+def cache_request(name: str, *images: tuple[int, int]) -> SimpleNamespace:
+    """A request whose pruned images are (N, K) each, identified ``{name}{index}``."""
+    features = [image_of(n, k) for n, k in images]
+    for index, each in enumerate(features):
+        each.identifier = f"{name}{index}"
+    return SimpleNamespace(
+        request_id=name,
+        mm_features=features,
+        get_num_encoder_embeds=lambda i: features[i].mm_position.get_num_embeds(),
+    )
+
+
+def test_the_encoder_cache_counts_n_per_pruned_image():
+    """A cache of 40 embeddings: a pruned image of N = 16 (K = 4) takes 16 slots, so one of N = 30
+    finds no room until the first is freed and evicted; vLLM's own count (K) would admit it at once.
+    The scheduler's reuse check still reads the placeholders' count (K)."""
+    first, second = cache_request("a", (16, 4)), cache_request("b", (30, 4))
+    stock = EncoderCacheManager(40)
+    assert stock.can_allocate(first, 0, 100, 0)
+    stock.allocate(first, 0)
+    assert stock.can_allocate(second, 0, 100, 0)  # counted at K: 4 + 4 of 40
+    cache = PrunedEncoderCache(40)
+    assert cache.can_allocate(first, 0, 100, 0)
+    cache.allocate(first, 0)
+    assert (cache.num_free_slots, cache.num_embeds_by_hash["a0"]) == (24, 16)
+    assert cache.get_cached_num_encoder_embeds(first, 0) == 4
+    assert not cache.can_allocate(second, 0, 100, 0)
+    cache.free(first)  # no request holds it: freeable, evicted when room is needed
+    assert cache.can_allocate(second, 0, 100, 0)
+    assert cache.freed == ["a0"] and cache.get_cached_num_encoder_embeds(first, 0) is None
+    cache.allocate(second, 0)
+    assert cache.num_free_slots == 40 - 30
+
+
+@pytest.mark.parametrize(("taken", "room"), [(0, True), (5, False)])
+def test_the_encoder_cache_counts_a_requests_earlier_images(taken, room):
+    """Two pruned images of N = 8 (K = 2) in one call, in a cache of 20 where another request holds
+    ``taken``: vLLM passes the first's K (2) as already scheduled; the second needs
+    2 + 2 + (8 - 2) * 2 = 16 slots."""
+    cache = PrunedEncoderCache(20)
+    if taken:
+        other = cache_request("held", (taken, taken))
+        assert cache.can_allocate(other, 0, 100, 0)
+        cache.allocate(other, 0)
+    request = cache_request("c", (8, 2), (8, 2))
+    assert cache.can_allocate(request, 0, 100, 0)
+    assert cache.can_allocate(request, 1, 100, 2) is room
+
+
+def test_images_the_whole_cache_could_not_hold_at_n_are_counted_at_k():
+    """A cache of 20 and an image of N = 30: counted at K = 4, as vLLM counts it, so that its request is
+    served rather than waiting for room that never comes."""
+    request = cache_request("d", (30, 4))
+    cache = PrunedEncoderCache(20)
+    assert cache.can_allocate(request, 0, 100, 0)
+    cache.allocate(request, 0)
+    assert cache.num_free_slots == 16
+    assert cache.get_freed_mm_hashes() == [] and cache.checked == {}

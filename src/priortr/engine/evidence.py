@@ -17,8 +17,16 @@ of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its 
 
 Pools with the same size and budget at a stage form one ``PoolGroup`` (``priortr.engine.stage.groups``):
 one selector call ranks them all.
-Nothing here edits what it reads: the attention rows a stage's groups share are computed once, when the
-first group reads them (``Sources.text_attention``).
+Nothing here edits what it reads: the queries and keys of the text rows a stage's groups share are
+prepared once, when the first group reads them (``Sources.text_attention``).
+
+Memory: the text rows' attention [B, H, R, S'] is never held whole. R grows with the prompt's text (a
+long chat), so each group reduces it a chunk of rows at a time (``RowAttention.chunks``): the prior and
+last rows picked out of the chunk that holds them, the posterior as a running sum over rows of each
+row's head aggregate. A chunk holds r = max(1, ``ROW_CHUNK_ELEMENTS`` // (B H S')) rows, so its
+[B, H, r, S'] attention and the few temporaries of one softmax stay within a bound set by B, H, S' and
+the chunk, whatever R is (docs/how-it-works.md, "Memory"). A prompt whose rows fit one chunk is
+computed by the same operations as one unchunked tensor, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,10 +48,50 @@ from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
 from priortr.engine.state import StageState
 from priortr.methods import MethodInfo
-from priortr.methods.scoring import aggregate_heads, build_evidence
+from priortr.methods.scoring import aggregate_heads, check_posterior_rows, reduced_evidence
 from priortr.methods.value_checks import value_checks
 from priortr.tensors.gathers import stack_views
 from priortr.tensors.host import to_device
+
+ROW_CHUNK_ELEMENTS = 1 << 24
+"""Attention elements of one chunk of text rows (``RowAttention.chunks``): 64 MiB in float32. A chunk
+holds at least one row, so a single row's B * H * S' elements above this is the chunk instead."""
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """The recomputed text rows of a stage, ready to be turned into attention a chunk of rows at a time.
+
+    ``queries`` [B, h, R, d] and ``keys`` [B, h_kv, S', d] after RoPE (and any query scaling), the
+    rows' ``spec`` (``spec.rows`` [B, R] their columns), the layer's softmax ``scaling``, ``heads`` the
+    H heads a chunk has after ``gather`` (vLLM under tensor parallelism: this rank's h heads joined with
+    every other rank's, ``decoder.LayerParts.every_head``; identity elsewhere, h = H).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    spec: RowSpec
+    scaling: float
+    heads: int
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def count(self) -> int:
+        """R, the recomputed rows."""
+        return self.queries.shape[2]
+
+    def rows(self, chunk: slice) -> torch.Tensor:
+        """Attention [B, H, r, S'] of the rows in ``chunk`` (a slice of the R rows)."""
+        spec = self.spec
+        part = RowSpec(spec.rows[:, chunk], spec.key_valid, spec.window, spec.positions)
+        local = attention_rows(self.queries[:, :, chunk], self.keys, part, self.scaling)
+        return local if self.gather is None else self.gather(local)
+
+    def chunks(self, elements: int) -> list[slice]:
+        """The R rows cut into consecutive chunks of at most max(1, ``elements`` // (B H S')) rows."""
+        batch, seq = self.queries.shape[0], self.keys.shape[2]
+        size = max(1, elements // max(1, batch * self.heads * seq))
+        return [slice(start, min(start + size, self.count)) for start in range(0, self.count, size)]
 
 
 @dataclass
@@ -67,9 +115,9 @@ class Sources:
 
     ``hidden`` [B, S', D] enters the layer after the scored one (``next_layer``, whose prompt RoPE is
     ``rope``); ``window`` and ``next_window`` are the local windows of those two layers. ``embeddings``
-    [B, S, D] entered decoder layer 0, when the method reads them. ``attention`` [B, H, R, S'] are the
-    recomputed text rows, passed in by a caller that computed them itself (vLLM); None: computed when a
-    group first reads them (``text_attention``).
+    [B, S, D] entered decoder layer 0, when the method reads them. ``attention`` holds the recomputed
+    text rows, passed in by a caller that prepared them itself (vLLM); None: prepared when a group first
+    reads them (``text_attention``).
     """
 
     plan: PrefillPlan
@@ -85,7 +133,7 @@ class Sources:
     vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None = None
     final_norm: torch.nn.Module | None = None
     embeddings: torch.Tensor | None = None
-    attention: torch.Tensor | None = None
+    attention: RowAttention | None = None
 
     @property
     def sequence(self) -> SequenceMap:
@@ -93,9 +141,9 @@ class Sources:
         return self.state.sequence
 
     @cached_property
-    def text_attention(self) -> torch.Tensor:
-        """[B, H, R, S'] the recomputed text rows: given, or at the scored layer (``attention``) or the
-        layer after it (``next_attention``), computed once for every group of the stage."""
+    def text_attention(self) -> RowAttention:
+        """The recomputed text rows: given, or at the scored layer (``attention``) or the layer after it
+        (``next_attention``), prepared once for every group of the stage."""
         if self.attention is not None:
             return self.attention
         if "attention" in self.config.method.needs:
@@ -234,9 +282,9 @@ def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, windo
     return RowSpec(rows, sequence.key_valid(), window.visible, positions)
 
 
-def attention_at_layer(sources: Sources) -> torch.Tensor:
-    """Attention [B, H, R, S'] of every batch row's recomputed text rows (``plan.text_rows``) over the current
-    sequence at the scored layer, from its captured projections and RoPE, within its local window."""
+def attention_at_layer(sources: Sources) -> RowAttention:
+    """Every batch row's recomputed text rows (``plan.text_rows``) over the current sequence at the scored
+    layer, from its captured projections and RoPE, within its local window."""
     plan, sequence, adapter, scored = sources.plan, sources.sequence, sources.adapter, sources.scored
     module, rope = scored.attention, scored.rope
     queries, keys = adapter.queries_and_keys(module, scored.query_out, scored.key_out)
@@ -255,16 +303,16 @@ def _rows_attention(
     rope: Any,
     rows: torch.Tensor,
     window: Window | None,
-) -> torch.Tensor:
-    """Attention [B, H, R, S'] of the recomputed rows' queries [B, H, R, d] (at columns ``rows`` [B, R])
-    over ``keys`` [B, Hkv, S', d], both before RoPE, as attention ``module`` computes it: RoPE ``rope`` of
-    the current columns, its query temperature at the rows' places in the prompt, its local ``window``."""
+) -> RowAttention:
+    """The recomputed rows' queries [B, H, R, d] (at columns ``rows`` [B, R]) and ``keys`` [B, Hkv, S', d],
+    both given before RoPE, made ready for attention as ``module`` computes it: RoPE ``rope`` of the
+    current columns, its query temperature at the rows' places in the prompt, its local ``window``."""
     adapter, plan = sources.adapter, sources.plan
     queries = adapter.rotate(module, queries, adapter.gather_rope(rope, rows))  # [B, H, R, d]
     queries = _placed(adapter, module, queries, plan.text_rows)
     keys = adapter.rotate(module, keys, rope)  # [B, Hkv, S', d]
     spec = row_spec(plan, sources.sequence, rows, window)
-    return attention_rows(queries, keys, spec, adapter.scaling(module))
+    return RowAttention(queries, keys, spec, adapter.scaling(module), heads=queries.shape[1])
 
 
 def _placed(
@@ -278,8 +326,8 @@ def _placed(
     return (queries * factors[:, None]).to(queries.dtype)
 
 
-def next_layer_attention(sources: Sources) -> torch.Tensor:
-    """Attention [B, H, R, S'] of the recomputed text rows as the next decoder layer would compute it on
+def next_layer_attention(sources: Sources) -> RowAttention:
+    """The recomputed text rows as the next decoder layer would attend with them on
     its input ``hidden`` [B, S', D] (the scored layer's output), before it runs: its input norm, query
     and key projections, the adapter's q/k norms, its RoPE (cos, sin) [B or 1, S', d], gathered to the
     current columns, and its local window.
@@ -301,32 +349,56 @@ def next_layer_attention(sources: Sources) -> torch.Tensor:
 
 
 def group_attention(
-    attention: torch.Tensor, group: PoolGroup, pool_rows: list[PoolRows], config: PruningConfig
+    attention: RowAttention,
+    group: PoolGroup,
+    pool_rows: list[PoolRows],
+    config: PruningConfig,
+    chunk_elements: int | None = None,
 ) -> dict[str, Any]:
     """The ``StageInputs`` attention fields of a group: Q, P and the last row, normalised
-    (``scoring.build_evidence``), and the instruction rows for methods that weigh them one by one."""
-    every_row = group.row_list == list(range(attention.shape[0]))
-    per_pool = attention if every_row else attention.index_select(0, group.rows)  # [G, H, R, S']
-    heads, n_rows = per_pool.shape[1], per_pool.shape[2]
+    (``scoring.reduced_evidence``), and the instruction rows for methods that weigh them one by one.
+
+    The text rows' attention is computed a chunk of rows at a time (``attention.chunks``, at most
+    ``chunk_elements`` elements a chunk; None: ``ROW_CHUNK_ELEMENTS``, read when called) and reduced as
+    it comes: each pool's prior rows and last row taken from the chunk that holds them, the posterior
+    summed over rows of each row's head aggregate (in the attention's dtype), so that no [G, H, R, S']
+    tensor exists. Rows that fit one chunk give what one tensor of every row gives, bit for bit."""
+    every_row = group.row_list == list(range(attention.queries.shape[0]))
     size = group.size
-    device = per_pool.device
-    columns = group.columns.to(device)[:, None, None, :]
-    visual = per_pool.gather(3, columns.expand(-1, heads, n_rows, -1))  # [G, H, R, n]
+    device = attention.queries.device
+    columns = group.columns.to(device)[:, None, None, :]  # [G, 1, 1, n]
     separator_rows = _padded_stack([rows.prior for rows in pool_rows])  # [G, I] each item's prior row
     prior_rows = separator_rows.to(device).gather(1, group.item_of.to(device))  # [G, n]
-    prior = visual.gather(2, prior_rows[:, None, None, :].expand(-1, heads, 1, -1)).squeeze(2)  # [G, H, n]
+    last = stack_views([rows.last_index for rows in pool_rows]).to(device).reshape(-1, 1)  # [G, 1]
+    valid = stack_views([rows.posterior for rows in pool_rows]).to(device)  # [G, R]
+    check_posterior_rows(valid)
+    prior = last_row = posterior = None  # [G, H, n], [G, H, n], [G, n] once the first chunk is in
+    weighed = "text_rows" in config.method.needs
+    text_rows = torch.empty(len(pool_rows), attention.count, size, device=device) if weighed else None
+    for chunk in attention.chunks(ROW_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements):
+        block = attention.rows(chunk)  # [B, H, r, S']
+        per_pool = block if every_row else block.index_select(0, group.rows)  # [G, H, r, S']
+        heads, n_rows = per_pool.shape[1], per_pool.shape[2]
+        visual = per_pool.gather(3, columns.expand(-1, heads, n_rows, -1))  # [G, H, r, n]
+        del block, per_pool
+        prior = _take_rows(visual, prior_rows, chunk, attention.count, prior)
+        last_row = _take_rows(visual, last.expand(-1, size), chunk, attention.count, last_row)
+        aggregated = aggregate_heads(visual.transpose(1, 2), config.heads)  # [G, r, n]
+        kept = torch.where(valid[:, chunk, None], aggregated, torch.zeros((), dtype=aggregated.dtype))
+        summed = kept.sum(dim=1)  # [G, n]
+        posterior = summed if posterior is None else posterior + summed
+        if text_rows is not None:
+            text_rows[:, chunk] = aggregate_heads(visual.transpose(1, 2).float(), config.heads)
     for g, pool in enumerate(group.pools):
         if len(pool.items) > 1:
             prior[g] = per_item_prior(prior[g], group.item_of[g].to(device), len(pool.items))
-    last = stack_views([rows.last_index for rows in pool_rows]).to(device).flatten()  # [G]
-    last_row = visual.gather(2, last[:, None, None, None].expand(-1, heads, 1, size)).squeeze(2)  # [G, H, n]
-    valid = stack_views([rows.posterior for rows in pool_rows]).to(device)  # [G, R]
+    posterior = posterior / valid.sum(dim=-1, keepdim=True).to(posterior.dtype)  # [G, n] mean of valid rows
     fields: dict[str, Any] = {
-        "attention": build_evidence(prior, visual, valid, last_row, heads=config.heads, seed=config.seed),
+        "attention": reduced_evidence(prior, posterior, last_row, heads=config.heads, seed=config.seed),
         "text_valid": valid,
     }
-    if "text_rows" in config.method.needs:
-        fields["text_rows"] = aggregate_heads(visual.transpose(1, 2).float(), config.heads)  # [G, R, n]
+    if text_rows is not None:
+        fields["text_rows"] = text_rows  # [G, R, n]
     return fields
 
 
@@ -335,6 +407,23 @@ def _padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len({tensor.numel() for tensor in tensors}) == 1:
         return stack_views(tensors)
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
+
+
+def _take_rows(
+    visual: torch.Tensor, rows: torch.Tensor, chunk: slice, count: int, taken: torch.Tensor | None
+) -> torch.Tensor:
+    """Each token's entry of its row ``rows`` [G, n] (indices into the R = ``count`` rows) in this chunk
+    ``visual`` [G, H, r, n] of rows ``chunk``, where the row lies in the chunk; ``taken`` [G, H, n]
+    (None: zeros) elsewhere. On the device, without a host sync; one chunk of every row is a gather."""
+    heads, n_rows = visual.shape[1], visual.shape[2]
+    if n_rows == count:
+        return visual.gather(2, rows[:, None, None, :].expand(-1, heads, 1, -1)).squeeze(2)
+    local = rows - chunk.start
+    inside = (local >= 0) & (local < n_rows)  # [G, n]
+    index = local.clamp(0, n_rows - 1)[:, None, None, :].expand(-1, heads, 1, -1)
+    picked = visual.gather(2, index).squeeze(2)  # [G, H, n]
+    before = torch.zeros((), dtype=picked.dtype) if taken is None else taken
+    return torch.where(inside[:, None, :], picked, before)
 
 
 def per_item_prior(prior: torch.Tensor, item_of: torch.Tensor, n_items: int) -> torch.Tensor:

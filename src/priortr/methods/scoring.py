@@ -134,6 +134,11 @@ def _check_evidence_inputs(
             f"posterior_valid must be a bool tensor [B, R] = {(batch, n_rows)}, "
             f"got {posterior_valid.dtype} {tuple(posterior_valid.shape)}"
         )
+    check_posterior_rows(posterior_valid)
+
+
+def check_posterior_rows(posterior_valid: torch.Tensor) -> None:
+    """Refuse, when value checks are on, an image none of whose R rows ``posterior_valid`` [B, R] flags."""
     if not value_checks():
         return
     empty = ~posterior_valid.any(dim=-1)  # [B]
@@ -167,10 +172,26 @@ def build_evidence(
     _check_evidence_inputs(prior_attn, posterior_attn, posterior_valid, last_attn)
     # Cast before any arithmetic: the model may run in fp16/bf16, whose sums lose precision.
     prior_attn, posterior_attn, last_attn = prior_attn.float(), posterior_attn.float(), last_attn.float()
-    prior = aggregate_heads(prior_attn, heads)  # [B, N]
     rows = aggregate_heads(posterior_attn.transpose(1, 2), heads)  # [B, R, N]
     posterior = _masked_row_mean(rows, posterior_valid)  # [B, N]
-    last = aggregate_heads(last_attn, heads)  # [B, N]
+    return reduced_evidence(prior_attn, posterior, last_attn, heads=heads, seed=seed)
+
+
+def reduced_evidence(
+    prior_attn: torch.Tensor,
+    posterior: torch.Tensor,
+    last_attn: torch.Tensor,
+    heads: str = "mean",
+    seed: int = 0,
+) -> Evidence:
+    """``build_evidence`` from a posterior already reduced over heads and rows: prior and last rows
+    [B, H, N], aggregated over heads here, and the posterior [B, N] (the mean over the instruction
+    rows of each row's head aggregate), each L1-normalised in float32.
+
+    A caller that reduces the instruction rows a chunk at a time (``priortr.engine.evidence``, whose
+    memory must not grow with R) hands its running result here."""
+    prior = aggregate_heads(prior_attn.float(), heads)  # [B, N]
+    last = aggregate_heads(last_attn.float(), heads)  # [B, N]
     return Evidence(
         prior=l1_normalise(prior),
         posterior=l1_normalise(posterior),

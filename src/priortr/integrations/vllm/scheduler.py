@@ -21,15 +21,33 @@ Its blocks are still written to the prefix cache. Blocks of text before its firs
 any request computes there and serve other requests' hits; a block holding a kept image token is
 hashed with the image's identity, which only pruned requests carry, and they never read.
 Text-only and unpruned requests are scheduled, cached and chunked as by vLLM.
+
+Two charges follow what a pruned prompt costs, not its K placeholders per image:
+
+* the step's encoder budget is charged N per pruned image the step encodes (the image's embeddings,
+  which its processor records, ``processor.ENCODED_KEY``), where vLLM charges the placeholders' K
+  (``vllm/v1/core/sched/scheduler.py:2076,2198-2199`` in vLLM 0.33): a prompt whose images' N do not
+  fit what the step has left waits for a later step, unless it is the step's first encoder work (the
+  whole budget left), so that a prompt whose images exceed the budget is still served, alone;
+* layers 0..L run on the whole prompt S = P + the images' N - K outside the step's token budget
+  (``prefill_step.py``): the pruned prompts that start in one step hold at most
+  ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``, the step the engine's memory profile
+  ran) of S together. A prompt longer than that on its own is scheduled alone (the first pruned prompt
+  of its step).
+
+vLLM's encoder cache manager is replaced by ``encoder_cache.PrunedEncoderCache``, which counts a pruned
+image at the N embeddings the plug-in stores (docs/serving.md, "What a pruned request is charged").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
 from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY
 
 
@@ -50,6 +68,19 @@ class PruningScheduler(Scheduler):
         asynchronous = vllm_config is not None and vllm_config.scheduler_config.async_scheduling
         return super().__new__(PruningAsyncScheduler if cls is PruningScheduler and asynchronous else cls)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        manager = self.encoder_cache_manager
+        if type(manager) is EncoderCacheManager:  # vLLM's own (not a configured or encoder-decoder one)
+            self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size)
+
+    pruned_tokens = 0
+    """S of the pruned prompts started in the step being scheduled (reset by ``schedule``)."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.pruned_tokens = 0
+        return super().schedule(*args, **kwargs)
+
     def add_request(self, request: Any) -> None:
         if pruned(request):
             request.skip_reading_prefix_cache = True
@@ -65,16 +96,27 @@ class PruningScheduler(Scheduler):
     ) -> tuple[list[int], int, int, list[int], list[int]]:
         """vLLM's choice of the step's encoder inputs and tokens, or nothing this step for a pruned
         request whose chunk would end inside its prompt (checked before vLLM's choice, which may
-        take encoder-cache references, and after it, which may cut the chunk before an image)."""
+        take encoder-cache references, and after it, which may cut the chunk before an image), whose
+        images' N exceed the encoder budget left, or whose whole prompt S would take the step's pruned
+        prompts past the step (module docstring)."""
         nothing = ([], 0, encoder_compute_budget, [], [])
         if self._splits_prompt(request, num_computed_tokens, num_new_tokens):
+            return nothing
+        starts = num_computed_tokens == 0 and pruned(request)
+        whole = request.num_prompt_tokens + uncounted(request) if starts else 0  # S
+        if starts and self.pruned_tokens and self.pruned_tokens + whole > self.max_num_scheduled_tokens:
             return nothing
         chosen = super()._try_schedule_encoder_inputs(
             request, num_computed_tokens, num_new_tokens, encoder_compute_budget, shift_computed_tokens
         )
         if self._splits_prompt(request, num_computed_tokens, chosen[1]):
             return nothing
-        return chosen
+        left = chosen[2] - uncounted(request, chosen[0])
+        if left < 0 and encoder_compute_budget < self.max_num_encoder_input_tokens:
+            return nothing
+        if chosen[1]:
+            self.pruned_tokens += whole
+        return (chosen[0], chosen[1], max(left, 0), chosen[3], chosen[4])
 
     @staticmethod
     def _splits_prompt(request: Any, num_computed_tokens: int, num_new_tokens: int) -> bool:
