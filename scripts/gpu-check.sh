@@ -12,6 +12,11 @@
 #    against the masked reference (tests/engine/test_device_precision.py).
 # 3. bench.{json,md,png,jsonl}: `priortr bench` on the LLaVA-1.5-7B shape (random weights): vanilla, FastV and
 #    PriorTR at K = 192/128/64, batch 1/8/32, prefill and decode, with the roofline (--tiny: 4 decoder layers, batch 1).
+# 4. fast.{md,jsonl}: benchmarks/fast_path.py (issue 47): the batch-1 prefill eager and compiled (model.compile(),
+#    30 repeats, wall and host-enqueue ms, graphs and breaks), the compiled static-cache decode step at batch
+#    1/8/32, and the syncs of a prefill and a decode step as CUDA reports them beside the CPU counter's
+#    prediction (--tiny: 2 decoder layers, batch 1). Cut at FAST_TIMEOUT seconds (default 300); the rows
+#    finished by then stay in fast.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 device=cuda tiny=0
@@ -54,4 +59,10 @@ fi
 for f in bench.json bench.md bench.png bench.jsonl; do [ -f "$out/bench/$f" ] && cp "$out/bench/$f" "$out/$f"; done
 rm -rf "$out/bench"
 tail -25 "$out/bench.log"
+
+echo "== fast path on $device (batch 1, compiled prefill, compiled static decode, syncs)"
+fast=(--device "$device" --out "$out")
+[ "$tiny" = 1 ] && fast+=(--tiny --repeats 3)
+timeout "${FAST_TIMEOUT:-300}" "$python" benchmarks/fast_path.py "${fast[@]}" > "$out/fast.log" 2>&1 || status=1
+tail -40 "$out/fast.log"
 exit $status

@@ -24,6 +24,7 @@ def _pool(items: list[VisualItem]) -> Pool:
         positions=torch.cat([item.positions for item in items]),
         item_of=torch.cat([torch.full((item.size,), i) for i, item in enumerate(items)]),
         offset=torch.cat([torch.arange(item.size) for item in items]),
+        row_index=torch.tensor([0]),
     )
 
 

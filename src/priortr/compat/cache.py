@@ -2,7 +2,9 @@
 
 transformers' caches are a list of per-layer objects (``cache.layers``); each layer type keeps its keys
 and values its own way. Pruning needs three operations on a layer: ``compact`` (keep some of the
-prompt's entries, in place, during the prefill), and ``guard`` / ``unguard`` (a pruned cache's first
+prompt's entries during the prefill; a static layer also loses the pruned tokens' slots, so that every
+decode step attends over the kept prompt and the generated tokens only, ``restore_slots`` undoing it
+for the cache's next prompt), and ``guard`` / ``unguard`` (a pruned cache's first
 key-value layer refuses calls no attached engine claimed; see ``priortr.engine.ledger``).
 ``LAYER_OPERATIONS`` maps each key-value layer type priortr can prune to them: full attention's, and the
 window caches of sliding and chunked layers, which keep the tail of what their layer saw. State layers
@@ -55,16 +57,44 @@ def _compact_dynamic(layer: Any, index: torch.Tensor, seq_len: int) -> None:
 
 
 def _compact_static(layer: Any, index: torch.Tensor, seq_len: int) -> None:
-    """Kept entries move to the front of the preallocated storage (its address stays, for CUDA graphs),
-    the rest of the prompt's slots are zeroed, and the filled length drops to S'."""
+    """Kept entries move to the front of new, shorter storage (``_shrink``: the kept prompt and the slots
+    after the prompt, so that decode steps read no pruned slot), and the filled length drops to S'."""
     if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
         refuse("a static cache layer keeps no cumulative_length tensor")
     kept = index.shape[1]
-    for store in (layer.keys, layer.values):
-        moved = gather_sequence(store[:, :, :seq_len], index, dim=2)
-        store[:, :, :kept].copy_(moved)
-        store[:, :, kept:seq_len].zero_()
+    moved = [gather_sequence(store[:, :, :seq_len], index, dim=2) for store in (layer.keys, layer.values)]
+    _shrink(layer, seq_len - kept)
+    for store, entries in zip((layer.keys, layer.values), moved, strict=True):
+        store[:, :, :kept].copy_(entries)
     layer.cumulative_length.fill_(kept)
+
+
+FULL_LENGTH = "_priortr_full_length"
+
+
+def _shrink(layer: Any, dropped: int) -> None:
+    """A static full-attention layer of ``dropped`` fewer slots (its ``max_cache_len``, hence the keys every
+    later call attends over); new zeroed storage at static addresses if it holds any, else its lazy
+    allocation will make the shorter one. ``restore_slots`` gives the layer its full length back."""
+    layer.__dict__.setdefault(FULL_LENGTH, layer.max_cache_len)
+    layer.max_cache_len -= dropped
+    if not layer.is_initialized:
+        return
+    for name in ("keys", "values"):
+        store = getattr(layer, name)
+        shrunk = store.new_zeros(*store.shape[:2], layer.max_cache_len, store.shape[3])
+        torch._dynamo.mark_static_address(shrunk)  # as the layer's own allocation marks it (CUDA graphs)
+        setattr(layer, name, shrunk)
+
+
+def restore_slots(cache: Any) -> None:
+    """Give the static layers a pruned prefill shortened (``_shrink``) their full length back, before a new
+    prompt fills the (reset) cache: their storage is made anew, full-length, when they are next written."""
+    for layer in key_value_layers(cache):
+        full = layer.__dict__.pop(FULL_LENGTH, None)
+        if full is not None:
+            layer.max_cache_len = full
+            layer.is_initialized = False
 
 
 def _window_tail(
@@ -235,6 +265,10 @@ def compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> N
         if getattr(cache_layer, "keys", None) is None or cache_layer.keys.numel() == 0:
             raise ValueError("cannot prune an empty cache layer; pruning happens during the prefill")
         _operations(cache_layer).compact(cache_layer, index, seq_len)
+    for cache_layer in layers(cache)[layers_run:]:  # the layers still to run: shorter from the start
+        operations = _operations(cache_layer)
+        if operations is not None and operations.static and not operations.window:
+            _shrink(cache_layer, seq_len - index.shape[1])
 
 
 def guard(cache: Any) -> None:

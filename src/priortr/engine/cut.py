@@ -23,7 +23,6 @@ from priortr.engine.state import StageState
 from priortr.methods.scoring import Evidence
 from priortr.methods.selection import Selection
 from priortr.tensors.gathers import gather_sequence
-from priortr.tensors.host import to_device
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,13 @@ def cut(
         for pool in group.pools:
             lengths[pool.row] += kept.shape[1]
     for pool in unranked:
-        keep[pool.row, sequence.columns(sequence.row_index([pool.row]), pool.positions[None])[0]] = True
+        keep[pool.row, sequence.columns(pool.row_index, pool.positions[None])[0]] = True
         lengths[pool.row] += pool.size
     width = max(lengths)
     filler = None
     order = torch.where(keep, 0, 2)  # 0: kept, 2: dropped
     if any(length < width for length in lengths):
-        missing = to_device(torch.tensor([width - length for length in lengths]), keep.device)
+        missing = width - keep.sum(dim=1)  # [B] every row keeps its text and ``lengths`` tokens in all
         dropped = ~keep
         filler = dropped & (dropped.long().cumsum(dim=1) <= missing[:, None])
         # 0: left padding, 1: filler, 2: kept token, 3: dropped

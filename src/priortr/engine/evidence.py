@@ -268,7 +268,7 @@ GATHERERS: dict[frozenset[str], Gatherer] = {
 
 def _text_after(plan: PrefillPlan, group: PoolGroup, device: torch.device) -> torch.Tensor:
     """[G, R] bool: the text rows from each pool's last separator on (the text after its items)."""
-    return to_device(stack_views([plan.pool_rows[i].after for i in group.indices]), device)
+    return stack_views([plan.pool_rows[i].after for i in group.indices]).to(device)
 
 
 def row_spec(plan: PrefillPlan, sequence: SequenceMap, rows: torch.Tensor, window: Window | None) -> RowSpec:
@@ -367,13 +367,10 @@ def group_attention(
     size = group.size
     device = attention.queries.device
     columns = group.columns.to(device)[:, None, None, :]  # [G, 1, 1, n]
-    items = max(rows.prior.numel() for rows in pool_rows)
-    separator_rows = torch.zeros(len(pool_rows), items, dtype=torch.long)  # [G, I] each item's prior row
-    for g, rows in enumerate(pool_rows):
-        separator_rows[g, : rows.prior.numel()] = rows.prior
-    prior_rows = to_device(separator_rows, device).gather(1, group.item_of.to(device))  # [G, n]
-    last = to_device(torch.tensor([rows.last for rows in pool_rows]), device)[:, None]  # [G, 1]
-    valid = to_device(stack_views([rows.posterior for rows in pool_rows]), device)  # [G, R]
+    separator_rows = _padded_stack([rows.prior for rows in pool_rows])  # [G, I] each item's prior row
+    prior_rows = separator_rows.to(device).gather(1, group.item_of.to(device))  # [G, n]
+    last = stack_views([rows.last_index for rows in pool_rows]).to(device).reshape(-1, 1)  # [G, 1]
+    valid = stack_views([rows.posterior for rows in pool_rows]).to(device)  # [G, R]
     check_posterior_rows(valid)
     prior = last_row = posterior = None  # [G, H, n], [G, H, n], [G, n] once the first chunk is in
     weighed = "text_rows" in config.method.needs
@@ -403,6 +400,13 @@ def group_attention(
     if text_rows is not None:
         fields["text_rows"] = text_rows  # [G, R, n]
     return fields
+
+
+def _padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[G, I] the 1-D ``tensors`` stacked, zero-padded to the longest (device work only)."""
+    if len({tensor.numel() for tensor in tensors}) == 1:
+        return stack_views(tensors)
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
 
 
 def _take_rows(

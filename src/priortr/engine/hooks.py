@@ -204,6 +204,8 @@ class PruningEngine:
             return self._continue(call, ledger)
         if ledger is not None:
             write_ledger(call.cache, None)  # the cache was reset for a new prompt
+        if empty and call.cache is not None:
+            compat.cache.restore_slots(call.cache)  # a static cache a pruned prefill shortened: full again
         thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig, PruningSkippedWarning
-from priortr.engine.pools import Pool, make_pools
-from priortr.tensors.host import to_device, to_host
+from priortr.engine.pools import TENSOR_FIELDS, Pool, make_pools
+from priortr.tensors.host import to_device_once, to_host
 
 ROW_EVIDENCE = frozenset({"attention", "next_attention", "keys", "final_norm"})
 """Evidence that reads the text rows after a pool's separator, so the plan lays them out."""
@@ -32,13 +32,15 @@ class PoolRows:
     ``prior`` [I]: the row of each item's separator (its tokens' prior Q); ``posterior`` [R]: the
     rows averaged into P (``PruningConfig.posterior_rows``); ``last``: the row of the prompt's last token
     (FastV's signal); ``after`` [R]: the rows from the pool's last separator on, i.e. the text after its
-    items (DART's text pivots).
+    items (DART's text pivots). ``last_index`` [1]: ``last`` as a tensor, set when the plan moves to the
+    model's device (``plan_prefill``), so that a stage gathers the last row without making a tensor.
     """
 
     prior: torch.Tensor
     posterior: torch.Tensor
     last: int
     after: torch.Tensor
+    last_index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def plan_prefill(
     host = plan_on_host(adapter, model_config, config, *to_host(input_ids, valid), n_layers, counts)
     if host is None:
         return None
-    valid = to_device(valid, device)
+    pools, visual, valid, text_rows, rows_of_pools = _on_device(host, valid, device)
     if text_positions is None:  # the model numbers the prompt 0 .. S-1, left padding included
         text_positions = torch.arange(seq, device=device).expand(batch, seq)
         next_position = torch.full((batch,), seq, device=device)
@@ -142,18 +144,50 @@ def plan_prefill(
         window_start = text_positions.gather(1, valid.int().argmax(dim=1, keepdim=True))[:, 0]
     return PrefillPlan(
         seq=seq,
-        pools=tuple(pool.to(device) for pool in host.pools),
+        pools=pools,
         stages=host.stages,
-        visual=to_device(host.visual, device),
+        visual=visual,
         valid=valid,
         text_tokens=host.text_tokens,
         next_position=next_position,
         text_positions=text_positions,
         padded=host.padded,
-        text_rows=None if host.text_rows is None else to_device(host.text_rows, device),
-        pool_rows=host.pool_rows,
+        text_rows=text_rows,
+        pool_rows=rows_of_pools,
         window_start=window_start,
     )
+
+
+def _on_device(
+    host: HostPlan, valid: torch.Tensor, device: torch.device
+) -> tuple[tuple[Pool, ...], torch.Tensor, torch.Tensor, torch.Tensor | None, list[PoolRows] | None]:
+    """The host plan's tensors on ``device`` in one queued copy (``to_device_once``): pools, visual flags,
+    padding mask (copied only when it is not there already), text rows and each pool's rows."""
+    copy_valid = not _on(valid, torch.device(device))
+    tensors = [host.visual, valid] if copy_valid else [host.visual]
+    for pool in host.pools:
+        tensors += [getattr(pool, name) for name in TENSOR_FIELDS]
+    if host.text_rows is not None:
+        tensors.append(host.text_rows)
+    for rows in host.pool_rows or ():
+        tensors += [rows.prior, rows.posterior, rows.after, torch.tensor([rows.last])]
+    moved = iter(to_device_once(tensors, device))
+    visual = next(moved)
+    valid = next(moved) if copy_valid else valid
+    pools = tuple(replace(pool, **{name: next(moved) for name in TENSOR_FIELDS}) for pool in host.pools)
+    text_rows = None if host.text_rows is None else next(moved)
+    rows_of_pools = None
+    if host.pool_rows is not None:
+        rows_of_pools = [
+            replace(rows, prior=next(moved), posterior=next(moved), after=next(moved), last_index=next(moved))
+            for rows in host.pool_rows
+        ]
+    return pools, visual, valid, text_rows, rows_of_pools
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device`` (``cuda`` without an index: the current one)."""
+    return tensor.device == device or (device.index is None and tensor.device.type == device.type)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from priortr.adapters.base import VisualItem
-from priortr.tensors.host import to_device
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,8 @@ class Pool:
     ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
     position, which of ``items`` it belongs to, and its index among that item's tokens (which the
     vision tower's outputs are indexed by). ``stages`` maps a scored layer to the tokens kept after it.
+    ``row_index`` [1] is ``row`` as a tensor beside the others, so that a stage indexes the batch by
+    it without making a tensor from host data.
     """
 
     row: int
@@ -36,19 +37,11 @@ class Pool:
     positions: torch.Tensor
     item_of: torch.Tensor
     offset: torch.Tensor
+    row_index: torch.Tensor
 
     @property
     def size(self) -> int:
         return int(self.positions.numel())
-
-    def to(self, device: torch.device) -> Pool:
-        """The pool with its token tensors on ``device`` (queued copies: the host does not wait)."""
-        return replace(
-            self,
-            positions=to_device(self.positions, device),
-            item_of=to_device(self.item_of, device),
-            offset=to_device(self.offset, device),
-        )
 
     def kept(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> Pool:
         """The pool of the surviving tokens, given as their positions, items and offsets (ascending)."""
@@ -90,6 +83,11 @@ def make_pools(
                         [torch.full((item.size,), i, device=device) for i, item in enumerate(group)]
                     ),
                     offset=torch.cat([torch.arange(item.size, device=device) for item in group]),
+                    row_index=torch.tensor([row], device=device),
                 )
             )
     return pools
+
+
+TENSOR_FIELDS = ("positions", "item_of", "offset", "row_index")
+"""The fields of a ``Pool`` that hold tensors (moved to the model's device with the plan)."""

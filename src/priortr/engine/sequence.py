@@ -15,8 +15,6 @@ from functools import cached_property
 
 import torch
 
-from priortr.tensors.host import to_device
-
 
 @dataclass(frozen=True)
 class SequenceMap:
@@ -42,10 +40,6 @@ class SequenceMap:
     def width(self) -> int:
         """S', the current sequence length."""
         return self.visual.shape[1]
-
-    def row_index(self, rows: list[int]) -> torch.Tensor:
-        """[G] the batch rows ``rows`` as an index tensor on the device (queued copy)."""
-        return to_device(torch.tensor(rows, dtype=torch.long), self.visual.device)
 
     @classmethod
     def of_prompt(cls, visual: torch.Tensor, valid: torch.Tensor) -> SequenceMap:

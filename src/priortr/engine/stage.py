@@ -85,7 +85,7 @@ def groups(state: StageState, layer: int, by_input_size: bool = False) -> list[P
     for (_, budget, _), indices in by_key.items():
         pools = [state.pools[i] for i in indices]
         rows = [pool.row for pool in pools]
-        row_index = sequence.row_index(rows)  # [G]
+        row_index = stack_views([pool.row_index for pool in pools]).flatten()  # [G]
         positions = stack_views([pool.positions for pool in pools])  # [G, n]
         out.append(
             PoolGroup(

@@ -1,35 +1,48 @@
-"""What pruning adds to a prefill and to a decode step, counted: aten ops, host syncs, hook calls.
+"""What pruning adds to a prefill and to a decode step, counted: aten ops, host syncs, host-to-device
+copies, hook calls.
 
 On a GPU at batch 1-8 a prefill of a 7B model is tens of milliseconds and a decode step a few, mostly
 kernel launches, so what the engine does on the host *is* the speed-up or its loss. Timings on a shared
-CPU cannot show that; counts can, and they are deterministic (design notes, section 7):
+CPU cannot show that; counts can, and they are deterministic (design notes, section 7). On a CPU every
+tensor lives in one memory, so the counters follow where each tensor *would* live on a GPU:
 
-* every aten op is seen by a ``TorchDispatchMode``; non-view ops approximate kernel launches;
-* a host sync is an op that reads a device value back (``.item()``, ``bool(t)``, ``nonzero``,
-  bool-mask indexing) or an explicit device-to-host copy (``tolist``, ``cpu``, ``numpy``);
-* the engine's host planning (``priortr.engine.plan.plan_on_host``) works on a host copy of the prompt
-  and launches no kernel on a GPU: its ops are counted apart, as host ops, and its one copy of the
-  prompt as one sync;
-* hook calls are counted as the hooks registered on every module that runs.
+* a tensor made from host data (``torch.tensor(data)``, a factory without ``device=``), a host copy
+  (``.cpu()``, ``to_host``) and everything computed from such tensors alone lives on the host; the
+  engine's host planning (``priortr.engine.plan.plan_on_host``) is host work throughout. Every other
+  tensor (the model's inputs and weights, what they compute, factories given a ``device``) lives on
+  the device (``_Places``, a ``TorchFunctionMode``: it sees the calls as written, ``device=`` included);
+* every aten op is seen by a ``TorchDispatchMode``; non-view ops on the device approximate kernel
+  launches, ops on the host are counted apart (``host_ops``);
+* a *sync* is what ``torch.cuda.set_sync_debug_mode`` reports: a read of a device value (``.item()``,
+  ``bool(t)``, ``nonzero``, bool-mask indexing, ``tolist``, ``.cpu()``, ``numpy``) and a blocking copy
+  from the host (``torch.tensor(data, device=...)``, ``.to(device)`` without ``non_blocking=True``, a
+  host tensor or a Python list indexing a device tensor);
+* an *h2d* copy is one host-to-device transfer (a ``cudaMemcpyAsync``), blocking or queued.
 
-``measure`` runs ``generate()`` with and without pruning on the same inputs and reports the counts of
-the prefill (the first model call) and of a decode step (``decode_step``).
+Hook calls are counted as the hooks registered on every module that runs. ``measure`` runs
+``generate()`` with and without pruning on the same inputs and reports the counts of the prefill (the
+first model call) and of a decode step (``decode_step``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 import priortr
 from priortr.engine import plan as plan_module
+from priortr.tensors import host as host_module
 from priortr.tools import timing
 
 VIEW_OPS = frozenset(
@@ -67,51 +80,157 @@ VIEW_OPS = frozenset(
     }
 )
 READS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "nonzero_static", "item"})
+"""aten ops that read a device value back to the host."""
+COPIES_TO_HOST = frozenset({"tolist", "cpu", "numpy"})
+"""Tensor methods that copy a device tensor to the host without an aten op of their own."""
+FROM_DATA = frozenset({"tensor", "as_tensor", "asarray"})
+"""Factories that make a tensor from host data."""
 
 
 @dataclass
 class Counts:
-    """What one model call dispatched. ``ops``: non-view aten ops outside host planning; ``host_ops``:
-    ops of the host planning; ``syncs``: reads of device values plus host copies; ``hooks``: hook calls;
-    ``seconds``: its median host time, where ``measure`` timed it (uncounted runs)."""
+    """What one model call dispatched. ``ops``: non-view aten ops on the device; ``host_ops``: ops on the
+    host (host planning included); ``syncs``: what CUDA's sync debug mode would report; ``h2d``:
+    host-to-device copies; ``hooks``: hook calls; ``seconds``: its median host time, where ``measure``
+    timed it (uncounted runs)."""
 
     ops: int = 0
     host_ops: int = 0
     syncs: int = 0
+    h2d: int = 0
     hooks: int = 0
     seconds: float = 0.0
     names: Counter = field(default_factory=Counter)
     sync_names: Counter = field(default_factory=Counter)
+    h2d_names: Counter = field(default_factory=Counter)
 
 
 class _Counter(TorchDispatchMode):
-    """Counts aten ops into ``self.current`` (a ``Counts``), ops in host planning apart."""
+    """Counts aten ops into ``self.current`` (a ``Counts``): on the host or the device as ``places``
+    says, reads of device values as syncs."""
 
-    def __init__(self) -> None:
+    def __init__(self, places: _Places) -> None:
         super().__init__()
         self.current = Counts()
-        self.host = 0
+        self.places = places
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         current = self.current
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = self.places.host_call or (bool(tensors) and all(map(self.places.on_host, tensors)))
         if name not in VIEW_OPS:
-            if self.host:
+            if on_host:
                 current.host_ops += 1
             else:
                 current.ops += 1
                 current.names[name] += 1
-        if not self.host and (
+        if not on_host and (
             name in READS or (name in ("index", "index_put", "index_put_") and _bool_index(args))
         ):
-            current.syncs += 1
-            current.sync_names[name] += 1
+            self.sync(name)
         return func(*args, **(kwargs or {}))
 
     def sync(self, name: str) -> None:
-        if not self.host:
-            self.current.syncs += 1
-            self.current.sync_names[name] += 1
+        self.current.syncs += 1
+        self.current.sync_names[name] += 1
+
+    def h2d(self, name: str, blocking: bool) -> None:
+        self.current.h2d += 1
+        self.current.h2d_names[name] += 1
+        if blocking:
+            self.sync(f"{name} (blocking copy)")
+
+
+class _Places(TorchFunctionMode):
+    """Where each tensor would live on a GPU run (host or device, module docstring), and the copies
+    between them that the calls it sees make; ``host_call`` is True while a call runs on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter: _Counter | None = None
+        self.host_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.host_call = False
+        self.planning = 0  # inside the engine's host planning: everything is host work
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        return tensor in self.host_tensors
+
+    def tag(self, outputs: Any, on_host: bool) -> None:
+        for tensor in pytree.tree_leaves(outputs):
+            if isinstance(tensor, torch.Tensor):
+                if on_host:
+                    self.host_tensors[tensor] = True
+                else:
+                    self.host_tensors.pop(tensor, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        subject = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        counter = self.counter
+        if self.planning:
+            return self._run(func, args, kwargs, on_host=True)
+        if name in COPIES_TO_HOST and subject is not None:
+            if not self.on_host(subject):
+                counter.sync(name)
+            return self._run(func, args, kwargs, on_host=True, fresh=True)
+        if name in ("to", "cuda") and subject is not None:
+            target = _target_device(args[1:], kwargs) if name == "to" else "cuda"
+            if target is None:
+                return self._run(func, args, kwargs, on_host=self.on_host(subject))
+            if target == "cpu":
+                if not self.on_host(subject):
+                    counter.sync("to('cpu')")
+                return self._run(func, args, kwargs, on_host=True, fresh=True)
+            if self.on_host(subject):
+                counter.h2d("to(device)", blocking=not kwargs.get("non_blocking", False))
+            return self._run(func, args, kwargs, on_host=False, fresh=True)
+        if not tensors or name in FROM_DATA:  # a factory: on the device only when told so
+            device = kwargs.get("device")
+            if name in FROM_DATA and device is not None:
+                counter.h2d(f"torch.{name}(data, device=)", blocking=True)
+            return self._run(func, args, kwargs, on_host=device is None)
+        host = [t for t in tensors if self.on_host(t)]
+        if len(host) == len(tensors) and not _device_kwarg(kwargs):
+            return self._run(func, args, kwargs, on_host=True)
+        for tensor in host:
+            if tensor.ndim > 0:  # a host scalar is a kernel argument, not a copy
+                counter.h2d(f"{name} (host tensor)", blocking=not kwargs.get("non_blocking", False))
+        if name in ("__getitem__", "__setitem__") and _has_list_index(args[1] if len(args) > 1 else None):
+            counter.h2d(f"{name} (list index)", blocking=True)
+        return self._run(func, args, kwargs, on_host=False)
+
+    def _run(self, func, args, kwargs, on_host: bool, fresh: bool = False) -> Any:
+        outer, self.host_call = self.host_call, on_host
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.host_call = outer
+        if fresh and isinstance(out, torch.Tensor) and any(out is a for a in args):
+            out = out.view_as(out)  # one memory on a CPU: a new tensor object carries the new place
+        self.tag(out, on_host)
+        return out
+
+
+def _target_device(args: tuple, kwargs: dict) -> str | None:
+    """The device type a ``Tensor.to`` call names (None: a dtype change only)."""
+    for value in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(value, str) and value == "cpu":
+            return "cpu"  # a host copy by name; a torch.device is the model's (one memory on a CPU)
+        if isinstance(value, str | torch.device | torch.Tensor):
+            return "device"
+    return None
+
+
+def _device_kwarg(kwargs: dict) -> bool:
+    return kwargs.get("device") is not None
+
+
+def _has_list_index(index: Any) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) for part in parts)
 
 
 def _bool_index(args: tuple) -> bool:
@@ -120,43 +239,49 @@ def _bool_index(args: tuple) -> bool:
 
 
 @contextlib.contextmanager
-def _patched(counter: _Counter) -> Iterator[None]:
-    """Count host copies, and mark the engine's host planning, while the block runs."""
+def _patched(places: _Places) -> Iterator[None]:
+    """Mark the engine's host planning and its one blocking copy of the prompt while the block runs."""
     originals: dict[tuple[Any, str], Any] = {}
 
-    def patch(owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+    def patch(owner: Any, name: str, replacement: Callable) -> None:
         originals[(owner, name)] = getattr(owner, name)
-        setattr(owner, name, wrapper(originals[(owner, name)]))
+        setattr(owner, name, replacement)
 
-    def copy(name: str) -> Callable[[Callable], Callable]:
-        def wrap(fn: Callable) -> Callable:
-            def wrapped(*args, **kwargs):
-                counter.sync(name)
-                return fn(*args, **kwargs)
+    to_host, plan_on_host = host_module.to_host, plan_module.plan_on_host
 
-            return wrapped
+    def counted_to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        places.counter.sync("to_host")  # on a GPU: one blocking copy of the prompt
+        copies = tuple(tensor.view_as(tensor) for tensor in to_host(*tensors))
+        places.tag(copies, on_host=True)
+        return copies
 
-        return wrap
+    def planned_on_host(*args: Any, **kwargs: Any) -> Any:
+        places.planning += 1
+        try:
+            return plan_on_host(*args, **kwargs)
+        finally:
+            places.planning -= 1
 
-    def host(fn: Callable) -> Callable:
-        def wrapped(*args, **kwargs):
-            counter.sync("to_host")  # on a GPU: the one blocking copy of the prompt
-            counter.host += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter.host -= 1
-
-        return wrapped
-
-    for name in ("tolist", "cpu", "numpy"):
-        patch(torch.Tensor, name, copy(name))
-    patch(plan_module, "plan_on_host", host)
+    for module in [m for n, m in sys.modules.items() if n.startswith("priortr.") and m is not None]:
+        if getattr(module, "to_host", None) is to_host:
+            patch(module, "to_host", counted_to_host)
+    patch(plan_module, "plan_on_host", planned_on_host)
     try:
         yield
     finally:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[_Counter]:
+    """Within the block, count what torch runs into ``counter.current`` (replace it to start a new
+    window). Tensors made before the block (the model's weights, its inputs) are on the device."""
+    places = _Places()
+    counter = _Counter(places)
+    places.counter = counter
+    with _patched(places), places, counter:
+        yield counter
 
 
 @dataclass
@@ -179,6 +304,7 @@ class Overhead:
                 (f"{phase}: non-view aten ops", vanilla.ops, pruned.ops),
                 (f"{phase}: host-planning ops", vanilla.host_ops, pruned.host_ops),
                 (f"{phase}: host syncs", vanilla.syncs, pruned.syncs),
+                (f"{phase}: host-to-device copies", vanilla.h2d, pruned.h2d),
                 (f"{phase}: hook calls", vanilla.hooks, pruned.hooks),
                 (f"{phase}: host ms (median)", vanilla.seconds * 1e3, pruned.seconds * 1e3),
             ]
@@ -197,7 +323,6 @@ def count_generate(
     model: torch.nn.Module, inputs: dict, new_tokens: int = 3, **generate_kwargs
 ) -> list[Counts]:
     """Counts of every model call of ``model.generate(**inputs)`` (the prefill first)."""
-    counter = _Counter()
     calls: list[Counts] = []
 
     def on_call(module, args):
@@ -213,7 +338,7 @@ def count_generate(
         torch.nn.modules.module.register_module_forward_pre_hook(on_module),
     ]
     try:
-        with torch.no_grad(), _patched(counter), counter:
+        with torch.no_grad(), counting() as counter:
             model.generate(
                 **inputs,
                 max_new_tokens=new_tokens,
