@@ -133,7 +133,7 @@ def apply(
     stages: Sequence[tuple[int, int | float]] | None = None,
     options: Mapping[str, Any] | None = None,
     heads: str = "mean",
-    posterior_rows: str = "after_separator",
+    posterior_rows: str = "from_separator",
     separator_offset: int = 0,
     multi_image: str = "per_image",
     strict: bool = False,
@@ -161,8 +161,10 @@ def apply(
             every layer and budget, so ``budget`` and ``layer`` must then be left unset.
         options: the method's knobs by name (``priortr methods`` lists them with their defaults).
         heads: head aggregation of attention, ``mean`` (paper) or ``max``.
-        posterior_rows: rows averaged into P: ``after_separator`` (every prompt token after the
-            separator), ``from_separator`` (the separator too), or ``last``.
+        posterior_rows: rows averaged into P: ``from_separator`` (the separator and every prompt token
+            after it, the paper's rows j >= i_e), ``after_separator`` (the tokens after the separator:
+            the default before issue 48), ``from_separator_except_last`` (the separator to the token
+            before the last: the authors' Qwen2-VL / Qwen3-VL code), or ``last``.
         separator_offset: the prior is read this many tokens after the first post-image token.
         multi_image: ``per_image`` (each image or video ranked alone, its Q and P normalised over its
             own tokens, under its share of the budget) or ``global`` (a prompt's images ranked

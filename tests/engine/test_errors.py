@@ -104,12 +104,33 @@ def test_image_at_the_very_end_has_no_separator(llava):
         llava(input_ids=ids, pixel_values=batch.pixel_values)
 
 
-def test_no_instruction_after_the_separator(llava):
+@pytest.mark.parametrize("rows", ["from_separator", "after_separator", "from_separator_except_last"])
+def test_no_instruction_after_the_separator(llava, rows):
+    """Without a token after the separator every posterior but the last row's is the prior Q itself
+    (every score 0): refused, naming the fix; ``last`` reads the separator's row and runs."""
     batch = llava_batch(llava)
     ids = batch.input_ids[:, : batch.image_end[0] + 1]
-    with priortr.apply(llava, budget=4), pytest.raises(ValueError, match="no instruction token follows"):
+    with (
+        priortr.apply(llava, budget=4, posterior_rows=rows),
+        pytest.raises(ValueError, match="no instruction token follows"),
+    ):
         llava(input_ids=ids, pixel_values=batch.pixel_values)
-    with priortr.apply(llava, budget=4, posterior_rows="from_separator") as handle:
+    with priortr.apply(llava, budget=4, posterior_rows="last") as handle:
+        llava(input_ids=ids, pixel_values=batch.pixel_values)
+    assert handle.last.kept.shape == (1, 4)
+
+
+def test_authors_qwen_rows_need_two_tokens_after_the_separator(llava):
+    """Rows i_e .. T-2 with one token after the separator are the separator's alone (P = Q): refused; the
+    paper's default rows i_e .. T-1 run on the same prompt."""
+    batch = llava_batch(llava)
+    ids = batch.input_ids[:, : batch.image_end[0] + 2]
+    with (
+        priortr.apply(llava, budget=4, posterior_rows="from_separator_except_last"),
+        pytest.raises(ValueError, match="one token follows the separator"),
+    ):
+        llava(input_ids=ids, pixel_values=batch.pixel_values)
+    with priortr.apply(llava, budget=4) as handle:
         llava(input_ids=ids, pixel_values=batch.pixel_values)
     assert handle.last.kept.shape == (1, 4)
 

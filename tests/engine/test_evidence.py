@@ -59,6 +59,15 @@ def test_one_image_reads_its_own_separator_and_the_rows_after_it():
         True,
         False,
     ]
+    # The authors' Qwen rows: the separator to the token before the last (positions 7, 8).
+    assert pool_rows(image_b, ROWS, WIDTH, "from_separator_except_last").posterior.tolist() == [
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_two_images_in_one_pool_read_each_separator_and_the_rows_after_the_last():
@@ -104,7 +113,7 @@ def test_next_layer_attention_is_that_layers_own_attention(build, make_batch, sc
     with torch.no_grad():
         attentions = model(**batch.kwargs(), output_attentions=True).attentions
     visual = batch.visual_mask()[0]
-    after = torch.arange(batch.seq_len) > int(visual.nonzero().max()) + 1  # after the separator
+    after = torch.arange(batch.seq_len) > int(visual.nonzero().max())  # the separator on: the default P
 
     def posterior(layer):
         rows = attentions[layer][0].mean(dim=0)[after][:, visual].mean(dim=0)

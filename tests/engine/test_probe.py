@@ -18,7 +18,7 @@ def expected_evidence(attn: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, t
     for b in range(batch.batch_size):
         cols = slice(batch.image_start[b], batch.image_end[b])
         sep = batch.image_end[b]
-        rows = [r for r in range(sep + 1, batch.seq_len) if batch.attention_mask[b, r]]
+        rows = [r for r in range(sep, batch.seq_len) if batch.attention_mask[b, r]]  # j >= i_e
         prior = attn[b, :, sep, cols].mean(0)
         posterior = torch.stack([attn[b, :, r, cols].mean(0) for r in rows]).mean(0)
         last = attn[b, :, batch.seq_len - 1, cols].mean(0)

@@ -32,10 +32,11 @@ NEW_TOKENS = 10
 
 
 def _separator_and_rows(batch: Batch, row: int) -> tuple[torch.Tensor, int, list[int]]:
-    """Row ``row``'s visual positions (one image), its separator and the instruction rows after it."""
+    """Row ``row``'s visual positions (one image), its separator and the posterior's rows: the
+    separator and every real token after it (the paper's j >= i_e, the default)."""
     visual = batch.visual_mask()[row].nonzero().flatten()
     separator = int(visual[-1]) + 1
-    rows = [r for r in range(separator + 1, batch.seq_len) if batch.attention_mask[row, r]]
+    rows = [r for r in range(separator, batch.seq_len) if batch.attention_mask[row, r]]
     return visual, separator, rows
 
 

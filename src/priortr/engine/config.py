@@ -21,7 +21,11 @@ DEFAULT_BUDGET = 64
 VISION_NEEDS = frozenset({"vision", "vision_last", "features"})
 """Evidence read from the vision tower as it runs (``VisionProbe``), before the language model."""
 
-POSTERIOR_ROWS = ("after_separator", "from_separator", "last")
+POSTERIOR_ROWS = ("from_separator", "after_separator", "from_separator_except_last", "last")
+"""The rows averaged into the posterior P (``pool_rows``): ``from_separator``, the paper's rows j >= i_e
+(Appendix A.3, "Extracting Q and P"; the default); ``after_separator``, the rows after the separator
+(the library's default before issue 48); ``from_separator_except_last``, rows i_e .. T-2 (the authors'
+Qwen2-VL / Qwen3-VL strategy, ``question_start:-1``); ``last``, the last prompt token's row."""
 MULTI_IMAGE = ("per_image", "global")
 """How the items of a prompt row share the budget: each ranked alone under its share, or all together."""
 BEFORE_LLM = -1
@@ -45,8 +49,9 @@ class PruningConfig:
     that prunes before the language model or on its own schedule has no layer (None).
     ``stages`` replaces the method's schedule by explicit (scored layer, budget) pairs, the budgets
     counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs.
-    ``posterior_rows`` chooses the rows averaged into P: every prompt token after the separator
-    (default), the separator too (as the authors' code does), or the last prompt token only.
+    ``posterior_rows`` chooses the rows averaged into P (``POSTERIOR_ROWS``): the separator and every
+    prompt token after it (default, the paper's j >= i_e), the tokens after it only, the separator to
+    the token before the last (the authors' Qwen code), or the last prompt token only.
     ``separator_offset`` moves the prior's slot that many tokens after the first post-image token
     (the paper's null-token ablation). ``multi_image`` says how the items of a row share the budget
     (``priortr.engine.pools``). ``strict`` raises instead of warning when a prompt has nothing to prune, and
@@ -60,7 +65,7 @@ class PruningConfig:
     stages: tuple[tuple[int, int | float], ...] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     heads: str = "mean"
-    posterior_rows: str = "after_separator"
+    posterior_rows: str = "from_separator"
     separator_offset: int = 0
     multi_image: str = "per_image"
     strict: bool = False

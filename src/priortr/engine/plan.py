@@ -279,7 +279,13 @@ def _lay_out_rows(
 
 
 def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> PoolRows:
-    """One pool's prior, posterior and last rows among its batch row's recomputed rows ``rows``."""
+    """One pool's prior, posterior and last rows among its batch row's recomputed rows ``rows``.
+
+    The posterior's rows (``posterior_rows``, ``config.POSTERIOR_ROWS``), i_e being the pool's last
+    separator and T - 1 the prompt's last token: ``from_separator`` i_e .. T-1 (the paper, Appendix A.3:
+    "rows j >= i_e"), ``after_separator`` i_e+1 .. T-1, ``from_separator_except_last`` i_e .. T-2 (the
+    authors' Qwen strategy), ``last`` T-1.
+    """
     index = {position: r for r, position in enumerate(rows)}
     separator_row = torch.tensor([index[separator] for separator in pool.separators], dtype=torch.long)
     latest = max(pool.separators)
@@ -287,6 +293,8 @@ def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> P
         chosen = [rows[-1]]
     elif posterior_rows == "from_separator":
         chosen = [p for p in rows if p >= latest]
+    elif posterior_rows == "from_separator_except_last":
+        chosen = [p for p in rows[:-1] if p >= latest]
     else:
         chosen = [p for p in rows if p > latest]
     posterior = torch.zeros(width, dtype=torch.bool)
@@ -298,7 +306,8 @@ def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> P
 
 def _check_separators(pool: Pool, text: list[bool], config: PruningConfig, separator_token: str) -> None:
     """Each item's prior slot must be a real text token (``text``: the pool's prompt row, True at its real
-    text tokens), and an instruction must follow it."""
+    text tokens), and an instruction must follow it: without one the posterior rows hold no row the
+    prior does not (``posterior_rows='last'`` reads the last token whatever it is)."""
     seq = len(text)
     for separator in pool.separators:
         if separator >= seq:
@@ -311,8 +320,17 @@ def _check_separators(pool: Pool, text: list[bool], config: PruningConfig, separ
                 "the separator slot after an image is a padding or visual token; check the attention "
                 "mask and separator_offset"
             )
-    if config.posterior_rows == "after_separator" and not any(text[max(pool.separators) + 1 :]):
+    if config.posterior_rows == "last":
+        return
+    after = sum(text[max(pool.separators) + 1 :])  # real text tokens after the pool's last separator
+    if after == 0:
         raise ValueError(
-            "no instruction token follows the separator, so there is no posterior to score with; put the "
+            "no instruction token follows the separator, so there is no posterior to score with (P would "
+            "be the prior Q, every score 0); put the question after the image, or use posterior_rows='last'"
+        )
+    if config.posterior_rows == "from_separator_except_last" and after == 1:
+        raise ValueError(
+            "posterior_rows='from_separator_except_last' averages the separator to the token before the "
+            "last, and one token follows the separator: P would be the prior Q, every score 0; put the "
             "question after the image, or use posterior_rows='from_separator'"
         )

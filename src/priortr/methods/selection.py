@@ -28,9 +28,9 @@ class StageInputs:
             embeddings for a stage before the LLM, the output of the scoring layer otherwise.
         attention: prior Q, posterior P and the last prompt token's row, L1-normalised over the visual
             tokens (``scoring.build_evidence``); None when the method does not ask for attention.
-        text_rows: [B, R, N] float32 head-mean attention of the instruction rows (every prompt token
-            after the separator) over the visual tokens, not normalised; rows where ``text_valid`` is
-            False are padding and must be ignored.
+        text_rows: [B, R, N] float32 head-mean attention of the posterior's rows (``posterior_rows``:
+            by default the separator and every prompt token after it) over the visual tokens, not
+            normalised; rows where ``text_valid`` is False are padding and must be ignored.
         text_valid: [B, R] bool.
         text_embeddings: [B, R, D] the language model's input embeddings (the hidden states entering
             decoder layer 0) of the same R rows as ``text_rows``, in the model's dtype.

@@ -149,7 +149,7 @@ class PriorTRLMMs(lmms):
         batch_size: int | str = 1,
         max_new_tokens: int = 1024,
         heads: str = "mean",
-        posterior_rows: str = "after_separator",
+        posterior_rows: str = "from_separator",
         attn_implementation: str | None = None,
         config: str | None = None,
         **kwargs: Any,
