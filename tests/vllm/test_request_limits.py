@@ -17,12 +17,14 @@ from __future__ import annotations
 import pytest
 from vllm import LLM, SamplingParams
 
+from priortr.integrations.vllm import processor
 from tests.vllm.harness import ANSWER_TOKENS
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, QWEN_IMAGE, hf_tokens, image
 
 LLAVA = {"method": "priortr", "budget": 4, "layer": 1}
 QWEN = {"method": "fastv", "budget": 2, "layer": 1}
 QUESTION = "what is in the image"
+QWEN_PROMPT = f"USER: {QWEN_IMAGE} {QUESTION} ASSISTANT:"
 LLAVA_TOKENS = 16  # visual tokens of the tiny LLaVA's image
 
 
@@ -103,21 +105,47 @@ def qwen(qwen_dir):
     del engine
 
 
+def uuid_answers(llm: LLM, pictures: list, uuids: list[str]) -> list[list[int]]:
+    """The answers to one question about each picture, sent one after another under ``uuids``."""
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+    answers = []
+    for picture, uuid in zip(pictures, uuids, strict=True):
+        request = {
+            "prompt": QWEN_PROMPT,
+            "multi_modal_data": {"image": picture},
+            "multi_modal_uuids": {"image": [uuid]},
+        }
+        (out,) = llm.generate([request], params, use_tqdm=False)
+        assert len(out.prompt_token_ids) == 9 + QWEN["budget"]
+        answers.append(list(out.outputs[0].token_ids))
+    return answers
+
+
 def test_one_uuid_for_two_image_sizes(qwen, qwen_dir):
     """A 56x56 image (4 tokens) then a 112x112 one (16) under the uuid "picture", the same question and
     K = 2: on main both had one identity, the second request met the first image's 4 encoder rows and the
     model raised, ending the engine. Each is answered about its own image, and a third request after."""
-    prompt = f"USER: {QWEN_IMAGE} {QUESTION} ASSISTANT:"
-    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
     pictures = [image(56, 40), image(112, 41), image(112, 42)]
-    uuids = ["picture", "picture", "another"]
-    for picture, uuid in zip(pictures, uuids, strict=True):
-        request = {
-            "prompt": prompt,
-            "multi_modal_data": {"image": picture},
-            "multi_modal_uuids": {"image": [uuid]},
-        }
-        (out,) = qwen.generate([request], params, use_tqdm=False)
-        assert len(out.prompt_token_ids) == 9 + QWEN["budget"]
-        expected = hf_tokens(qwen_dir, prompt, [picture], QWEN, ANSWER_TOKENS)
-        assert list(out.outputs[0].token_ids) == expected
+    answers = uuid_answers(qwen, pictures, ["picture", "picture", "another"])
+    for picture, answer in zip(pictures, answers, strict=True):
+        assert answer == hf_tokens(qwen_dir, QWEN_PROMPT, [picture], QWEN, ANSWER_TOKENS)
+
+
+GRIDS = [image(112, 50, height=56), image(56, 51, height=112)]
+"""Two images of 8 tokens each, a 2 x 4 and a 4 x 2 grid (M-RoPE places them differently)."""
+
+
+def test_one_uuid_for_two_grids_of_one_size(qwen, qwen_dir):
+    """Images of the same N and different grids under one uuid: each answered about its own image."""
+    answers = uuid_answers(qwen, GRIDS, ["grids", "grids"])
+    for picture, answer in zip(GRIDS, answers, strict=True):
+        assert answer == hf_tokens(qwen_dir, QWEN_PROMPT, [picture], QWEN, ANSWER_TOKENS)
+
+
+def test_identity_without_the_grid_is_caught(qwen, qwen_dir, monkeypatch):
+    """Negative control: with the image's fields left out of its identity, the second image of the same
+    N is served the first one's encoder rows and its answer differs from priortr.apply's."""
+    monkeypatch.setattr(processor, "encoder_layout", lambda item: "")
+    first, second = uuid_answers(qwen, GRIDS, ["no grid", "no grid"])
+    assert first == hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[0]], QWEN, ANSWER_TOKENS)
+    assert second != hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[1]], QWEN, ANSWER_TOKENS)
