@@ -53,7 +53,8 @@ def llava_request(question: str, seed: int, budget: dict | None = None) -> dict:
 
 def test_answer_ends_where_the_unpruned_answer_ends(llava, llava_dir, positions_limit):
     """An answer asked to run far past the limit (ignore_eos) ends with reason ``length`` at the
-    unpruned request's length, on main it indexed RoPE past its table; the next request is served."""
+    unpruned request's length (on main it ran on to the short prompt's limit, positions past the RoPE
+    table, which the CPU build does not catch); the next request is served."""
     long = SamplingParams(max_tokens=4 * positions_limit, temperature=0.0, ignore_eos=True)
     pruned, unpruned = llava.generate(
         [llava_request(QUESTION, 0), llava_request(QUESTION, 0, {"enabled": False})], long, use_tqdm=False

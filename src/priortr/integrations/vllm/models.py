@@ -25,7 +25,8 @@ the plug-in's code. The hooks:
   padded to a CUDA-graph size (V1: ``vllm/v1/worker/gpu_model_runner.py:3320-3331``; Model Runner V2:
   ``vllm/v1/worker/gpu/model_states/default.py:104-130``, vLLM 0.33). The padding rows follow every
   request's rows; they run with the rows vLLM computes, as rows of no request (vLLM's attention
-  ignores rows past the step's tokens), and the hidden states returned keep the padded length.
+  computes and caches the step's ``num_actual_tokens`` only), and the hidden states returned keep the
+  padded length.
 
 Qwen3-VL's DeepStack features ride in each image's encoder rows (vLLM packs them there); a pruned step
 adds them to the outputs of the first decoder layers as vLLM's own forward does (``prefill_step.py``).
