@@ -42,8 +42,8 @@ PROMPT_LENGTH_KEY = "priortr_prompt_length"
 prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
 UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
 """The field of a pruned request's image items that holds the length of its prompt unpruned (N
-placeholders per image), read by the scheduler to end the answer where the unpruned request's would
-end (``scheduler.py``): the request decodes at its original positions."""
+placeholders per image), read by the scheduler to end the answer before its positions leave the
+model's (``scheduler.py``): the request decodes at its original positions."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
@@ -171,7 +171,7 @@ class PruningProcessor:
             return super().apply(inputs, timing_ctx)
         unpruned = len(laid_out["prompt_token_ids"])
         length = unpruned - sum(tokens) + sum(counts)
-        check_unpruned_length(unpruned, self.info.ctx.model_config.max_model_len)
+        check_unpruned_length(unpruned, position_limit(self.info.ctx.model_config))
         check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
         identities = [
             f"{image_hash}:priortr-{n}-tokens-{encoder_layout(item)}-kept-{kept}-prompt-{length}-of-{unpruned}"
@@ -221,15 +221,23 @@ def encoder_layout(item: MultiModalKwargsItem) -> str:
     return ";".join(parts)
 
 
-def check_unpruned_length(unpruned: int, max_model_len: int) -> None:
+def position_limit(model_config: Any) -> int:
+    """The positions a served model places: ``max_model_len``, or its text config's
+    ``max_position_embeddings`` (the rows of its RoPE table) where that is more. A pruned request's
+    cache holds K per image, which vLLM counts against ``max_model_len``; its positions count N."""
+    table = getattr(model_config.hf_text_config, "max_position_embeddings", None) or 0
+    return max(model_config.max_model_len, table)
+
+
+def check_unpruned_length(unpruned: int, limit: int) -> None:
     """Refuse a pruned prompt whose unpruned length (N placeholders per image) is more than the model
-    places (``max_model_len``): its tokens keep their original positions, so it needs every position its
-    unpruned prompt has, which vLLM would refuse."""
-    if unpruned > max_model_len:
+    places (``position_limit``): its tokens keep their original positions, so it needs every position
+    its unpruned prompt has."""
+    if unpruned > limit:
         raise ValueError(
             f"priortr keeps a pruned prompt at its original positions, and this prompt is {unpruned} "
-            f"tokens unpruned where the model places {max_model_len} (--max-model-len); shorten the prompt "
-            "or send fewer or smaller images"
+            f"tokens unpruned where the model places {limit} (the larger of --max-model-len and the "
+            "model's max_position_embeddings); shorten the prompt or send fewer or smaller images"
         )
 
 
