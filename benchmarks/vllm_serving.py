@@ -308,7 +308,15 @@ def main() -> None:
         blocks = args.cache_requests * math.ceil((stock_prompt + args.tokens) / args.block_size) + 1
         stock = start_engine(path, args, None, blocks)
         pruned = start_engine(
-            path, args, {"method": "priortr", "budget": args.budgets[0], "layer": args.layer}, blocks
+            path,
+            args,
+            {
+                "method": "priortr",
+                "budget": args.budgets[0],
+                "layer": args.layer,
+                "request_budgets": list(args.budgets),
+            },
+            blocks,
         )
         engines = {s.name: stock if s.budget is None else pruned for s in settings}
         seed = 0

@@ -51,6 +51,7 @@ def models() -> TinyModels:
 
 
 LONG_MODULES = (
+    "tests/testbed/test_accuracy.py",
     "tests/testbed/test_model.py",
     "tests/cli/test_lmms_eval_dp.py",
     "tests/cli/test_lmms_eval.py",

@@ -3,12 +3,14 @@ the faults the negative controls patch into the plug-in (each must change the an
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
+import torch
 from vllm import SamplingParams
 
-from priortr.integrations.vllm import models, positions
+from priortr.integrations.vllm import models, positions, prefill_step
 from tests.vllm.reference import vllm_request
 
 Name = TypeVar("Name", bound=Hashable)
@@ -75,3 +77,29 @@ def skip_kv_rewrite(monkeypatch: Any) -> None:
         )
 
     monkeypatch.setattr(models, "prefill_prompt", without_rewrite)
+
+
+def split_run_budget(monkeypatch: Any, sizes: Sequence[int], shares: Sequence[int]) -> None:
+    """Fault: a run of adjacent images of ``sizes`` tokens keeps ``shares[i]`` of image ``i``'s tokens,
+    each image's best by the scores the stage ranked the run by, instead of the run's best under its
+    one budget (``sum(shares)``)."""
+    original = prefill_step.run_stage
+
+    def per_image(layer: int, sources: Any, hidden: torch.Tensor) -> Any:
+        outcome = original(layer, sources, hidden)
+        (pool,) = sources.plan.pools
+        scores = outcome.decisions[0].selection.scores[0]  # [N] over the run's tokens
+        assert pool.size == sum(sizes) and outcome.state.sequence.positions.shape[1] < hidden.shape[1]
+        starts = [sum(sizes[:index]) for index in range(len(sizes))]
+        kept = [
+            start + scores[start : start + size].topk(share).indices
+            for start, size, share in zip(starts, sizes, shares, strict=True)
+        ]
+        visual = torch.zeros(hidden.shape[1], dtype=torch.bool)
+        visual[pool.positions] = True
+        keep = ~visual
+        keep[pool.positions[torch.cat(kept)]] = True
+        survivors = keep.nonzero()[:, 0]
+        return SimpleNamespace(state=SimpleNamespace(sequence=SimpleNamespace(positions=survivors[None])))
+
+    monkeypatch.setattr(prefill_step, "run_stage", per_image)

@@ -24,6 +24,8 @@ from tests.vllm.harness import run_arrivals
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [2, 6]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 N_LAYERS = 4
 TOKENS = 12
 QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat red or blue in this image"]
@@ -33,7 +35,9 @@ TEXT_ONLY = "<s>USER: what is the color of the cat ASSISTANT:"
 @pytest.fixture(scope="module")
 def llm(llava_dir):
     engine = LLM(
-        model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, **{**ENGINE, "enforce_eager": False}
+        model=str(llava_dir),
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
+        **{**ENGINE, "enforce_eager": False},
     )
     yield engine
     del engine

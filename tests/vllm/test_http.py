@@ -83,10 +83,29 @@ def data_url(picture: Image.Image) -> str:
 
 
 def chat(
-    url: str, model: str, pictures: list[Image.Image], budget: dict | None, processor: dict | None = None
+    url: str,
+    model: str,
+    pictures: list[Image.Image],
+    budget: dict | None,
+    processor: dict | None = None,
+    media: dict | None = None,
 ) -> list[int]:
     """Greedy token ids of one chat completion of QUESTION about ``pictures``; ``budget`` is the
-    request's priortr setting, ``processor`` other mm_processor_kwargs."""
+    request's priortr setting, ``processor`` other mm_processor_kwargs, ``media`` its
+    media_io_kwargs."""
+    return chat_reply(url, model, pictures, budget, processor, media)["choices"][0]["token_ids"]
+
+
+def chat_reply(
+    url: str,
+    model: str,
+    pictures: list[Image.Image],
+    budget: dict | None,
+    processor: dict | None = None,
+    media: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """The server's whole reply to ``chat``'s request, with the body fields ``extra`` added."""
     content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
     body = {
         "model": model,
@@ -95,22 +114,24 @@ def chat(
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **(extra or {}),
     }
     if budget is not None or processor:
         body["mm_processor_kwargs"] = {
             **({"priortr": budget} if budget is not None else {}),
             **(processor or {}),
         }
+    if media is not None:
+        body["media_io_kwargs"] = media
     request = urllib.request.Request(
         f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
-            answer = json.load(reply)
+            return json.load(reply)
     except urllib.error.HTTPError as error:
         error.msg = f"{error.msg}: {error.read().decode()[:500]}"
         raise
-    return answer["choices"][0]["token_ids"]
 
 
 def test_chat_completions_match_hf(server, llava_dir):
@@ -152,22 +173,45 @@ def test_burst_on_one_image_with_mixed_budgets_matches_hf(server, llava_dir):
         assert answers == expected
 
 
+def test_usage_and_prompt_logprobs_describe_the_pruned_prompt(server, llava_dir):
+    """docs/serving.md, What a pruned request reports: a pruned request's usage.prompt_tokens and
+    prompt_logprobs cover the prompt vLLM scheduled, text + K per image (the engine's K = 4 of the
+    image's 16 tokens), an unpruned one's text + N; the text is the same."""
+    picture = image(28, 90)
+    extra = {"prompt_logprobs": 0}
+    pruned = chat_reply(server, str(llava_dir), [picture], None, extra=extra)
+    unpruned = chat_reply(server, str(llava_dir), [picture], {"enabled": False}, extra=extra)
+    assert unpruned["usage"]["prompt_tokens"] - pruned["usage"]["prompt_tokens"] == 16 - 4
+    for reply in (pruned, unpruned):
+        assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+        assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(
-    ("budget", "processor", "reason"),
+    ("budget", "processor", "media", "reason"),
     [
-        ({"layer": 3}, None, "only budget, enabled"),
-        ({"budget": 3}, None, "request budgets 2, 8; got 3"),
-        ({"budget": 2}, {"do_resize": False}, "only 'priortr'"),
-        (None, {"do_resize": False}, "only 'priortr'"),
+        ({"layer": 3}, None, None, "only budget, enabled"),
+        ({"budget": 3}, None, None, "request budgets 2, 8; got 3"),
+        ({"budget": 2}, {"do_resize": False}, None, "only 'priortr'"),
+        (None, {"do_resize": False}, None, "only 'priortr'"),
+        (None, None, {"image": {"rgba_background_color": [0, 0, 0]}}, "no media_io_kwargs from a request"),
+        ({"enabled": False}, None, {"image": {"rgba_background_color": [0, 0, 0]}}, "image.rgba_background"),
     ],
-    ids=["setting", "budget-not-granted", "processor-keyword", "processor-keyword-alone"],
+    ids=[
+        "setting",
+        "budget-not-granted",
+        "processor-keyword",
+        "processor-keyword-alone",
+        "media",
+        "media-off",
+    ],
 )
-def test_what_a_request_may_not_set_is_a_client_error(server, llava_dir, budget, processor, reason):
-    """--trust-request-mm-kwargs opens every Hugging Face processor keyword to clients; the plug-in
-    grants priortr's budgets the operator listed and nothing else, each refusal an HTTP 400 with the
-    reason."""
+def test_what_a_request_may_not_set_is_a_client_error(server, llava_dir, budget, processor, media, reason):
+    """--trust-request-mm-kwargs opens every Hugging Face processor keyword and every media-loading
+    keyword (media_io_kwargs) to clients; the plug-in grants priortr's budgets the operator listed
+    and nothing else, each refusal an HTTP 400 with the reason (a request with pruning off too)."""
     with pytest.raises(urllib.error.HTTPError) as error:
-        chat(server, str(llava_dir), [image(28, 0)], budget, processor)
+        chat(server, str(llava_dir), [image(28, 0)], budget, processor, media)
     assert error.value.code == 400
     assert reason in error.value.msg
 
@@ -182,7 +226,8 @@ def test_qwen2_vl_chat_completions_with_two_images_match_hf(qwen_dir, tmp_path):
         ([picture], None),
         ([picture, picture], {"budget": 5}),  # the same image twice, kept at 3 and 2
     ]
-    with serving(qwen_dir, tmp_path, settings, limits) as url, ThreadPoolExecutor(len(cases)) as pool:
+    served = {**settings, "request_budgets": [10, 5]}
+    with serving(qwen_dir, tmp_path, served, limits) as url, ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda case: chat(url, str(qwen_dir), *case), cases))
     for (pictures, budget), answer in zip(cases, answers, strict=True):
         prompt = f"USER: {QWEN_IMAGE * len(pictures)}{QUESTION} ASSISTANT:"  # the checkpoint's chat template

@@ -29,6 +29,8 @@ from tests.vllm.harness import (
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 8, "layer": 1}
+REQUEST_BUDGETS = [12, 4, 2]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = ANSWER_TOKENS
 IMAGE = "<IMG_CONTEXT>"
 ONE = f"USER: {IMAGE} what is in the image ASSISTANT:"  # 9 text tokens with <img> and </img>
@@ -55,7 +57,7 @@ def square(seed: int) -> object:
 def llm(internvl_dir):
     engine = LLM(
         model=str(internvl_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
@@ -125,7 +127,7 @@ def test_preemption_by_recompute_is_exact(internvl_dir):
     tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
     engine = LLM(
         model=str(internvl_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         num_gpu_blocks_override=4,
         disable_log_stats=False,
@@ -147,7 +149,7 @@ def test_internvl3_5_qwen3_text_model(internvl3_5_dir):
     one- and two-image prompts beside an unpruned image and a text-only prompt equal apply + HF."""
     engine = LLM(
         model=str(internvl3_5_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )

@@ -15,13 +15,20 @@ from tests.vllm.harness import run_arrivals, shift_decode_offset, skip_kv_rewrit
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [8, 2, 6]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = 12
 QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat red or blue in this image"]
 
 
 @pytest.fixture(scope="module")
 def llm(llava_dir):
-    engine = LLM(model=str(llava_dir), hf_overrides={"priortr": SETTINGS}, enable_mm_embeds=True, **ENGINE)
+    engine = LLM(
+        model=str(llava_dir),
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
+        enable_mm_embeds=True,
+        **ENGINE,
+    )
     yield engine
     del engine
 
@@ -121,3 +128,20 @@ def test_skipped_kv_rewrite_is_caught(llm, llava_dir, monkeypatch):
     out = generate(llm, [request(QUESTIONS[0], 0)])[0]
     expected = hf_tokens(llava_dir, LLAVA_PROMPT.format(QUESTIONS[0]), [image(28, 0)], SETTINGS, TOKENS)
     assert list(out.outputs[0].token_ids) != expected
+
+
+def test_adjacent_images_are_one_run_under_one_budget(llm, llava_dir):
+    """Two images with no text between them (a raw prompt: LLaVA-1.5's llava-hf template writes
+    ``<image>\\n`` per image) are one run of 2 x 16 tokens keeping 4 under one budget, as priortr.apply
+    prunes them, in a step with a one-image request."""
+    prompt = LLAVA_PROMPT.replace("<image>", "<image><image>").format(QUESTIONS[0])
+    images = [image(28, 40), image(28, 41)]
+    outs = generate(
+        llm, [{"prompt": prompt, "multi_modal_data": {"image": images}}, request(QUESTIONS[1], 42)]
+    )
+    assert list(outs[0].outputs[0].token_ids) == hf_tokens(llava_dir, prompt, images, SETTINGS, TOKENS)
+    assert len(outs[0].prompt_token_ids) == 9 + SETTINGS["budget"]  # one run's K, not K per image
+    assert list(outs[1].outputs[0].token_ids) == hf_tokens(
+        llava_dir, LLAVA_PROMPT.format(QUESTIONS[1]), [image(28, 42)], SETTINGS, TOKENS
+    )
+    assert hf_tokens(llava_dir, prompt, images, None, TOKENS) != list(outs[0].outputs[0].token_ids)

@@ -38,6 +38,8 @@ from tests.vllm.harness import (
 from tests.vllm.reference import ENGINE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [10, 6, 2]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = ANSWER_TOKENS
 IMG, BREAK, END = MISTRAL3_IMAGE_ID, MISTRAL3_BREAK_ID, MISTRAL3_END_ID
 ONE = "USER: [IMG] what is in the image ASSISTANT:"  # 7 text tokens
@@ -54,7 +56,7 @@ def grid(rows: int, cols: int, seed: int) -> object:
 def llm(mistral3_dir):
     engine = LLM(
         model=str(mistral3_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2},
         **ENGINE,
     )
@@ -126,7 +128,7 @@ def test_preemption_by_recompute_is_exact(mistral3_dir):
     tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
     engine = LLM(
         model=str(mistral3_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2},
         num_gpu_blocks_override=4,
         disable_log_stats=False,
@@ -203,5 +205,9 @@ def test_a_sliding_window_is_refused_when_the_model_loads(tmp_path):
     with pytest.raises(
         Exception, match=r"does not serve sliding-window attention \(this model's layers attend within 32"
     ):
-        LLM(model=str(path), hf_overrides={"priortr": SETTINGS}, **ENGINE)
+        LLM(
+            model=str(path),
+            hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
+            **ENGINE,
+        )
     LLM(model=str(path), **ENGINE)

@@ -27,6 +27,8 @@ from tests.vllm.test_http import QUESTION, chat, serving
 from tests.vllm.test_http import TOKENS as HTTP_TOKENS
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+REQUEST_BUDGETS = [6, 2, 8]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 HEADS = 4
 TOKENS = 12
 QUESTIONS = ["what is in the image", "describe this picture a cat", "is the cat red or blue in this image"]
@@ -38,7 +40,7 @@ DP_START_TIMEOUT_S = 600
 def tp_llm(llava_dir):
     engine = LLM(
         model=str(llava_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         **{**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": False},
     )
     yield engine
@@ -102,7 +104,9 @@ def test_data_parallel_2_over_http_is_exact(llava_dir, tmp_path_factory, monkeyp
     budgets = [None, {"budget": 2}, {"enabled": False}, {"budget": 8}] * 2
     pictures = [image(28, 80 + i) for i in range(len(budgets))]
     log_dir = tmp_path_factory.mktemp("serve-dp")
-    with serving(llava_dir, log_dir, SETTINGS, "--data-parallel-size=2") as url:
+    with serving(
+        llava_dir, log_dir, {**SETTINGS, "request_budgets": REQUEST_BUDGETS}, "--data-parallel-size=2"
+    ) as url:
         with ThreadPoolExecutor(len(budgets)) as pool:
             answers = list(pool.map(lambda p, b: chat(url, str(llava_dir), [p], b), pictures, budgets))
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:

@@ -12,6 +12,8 @@ from vllm import LLM, SamplingParams
 from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
+REQUEST_BUDGETS = [10, 5, 0.25]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = 12
 ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
 TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
@@ -23,7 +25,7 @@ def served(request):
     path = request.getfixturevalue(request.param)
     engine = LLM(
         model=str(path),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
@@ -82,7 +84,7 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     on: the re-prefill must not hit the request's own blocks either."""
     engine = LLM(
         model=str(qwen_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         num_gpu_blocks_override=4,
         disable_log_stats=False,
@@ -111,3 +113,16 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     cut = [name for name, runs in scheduled.items() if any(a == step and b > 1 for a, b in pairwise(runs))]
     assert bool(cut) == (step == 20)  # a re-prefill cut after its prompt, only where a step is short
     del engine
+
+
+def test_adjacent_images_are_refused_with_the_reason(served):
+    """Qwen's chat template wraps every image in ``<|vision_start|>`` ... ``<|vision_end|>``; two
+    ``<|image_pad|>`` in one pair (a raw prompt) are one run for priortr.apply, whose M-RoPE positions
+    the plug-in has not checked: refused in the front end, with the reason and the fix."""
+    _, llm = served
+    adjacent = (
+        "USER: <|vision_start|><|image_pad|><|image_pad|><|vision_end|> what is in the image ASSISTANT:"
+    )
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"never writes two images back to back.*put text between images"):
+        llm.generate([vllm_request(adjacent, [image(56, 7), image(56, 8)])], params, use_tqdm=False)

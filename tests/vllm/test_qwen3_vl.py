@@ -31,6 +31,8 @@ from tests.vllm.harness import (
 from tests.vllm.reference import ENGINE, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
+REQUEST_BUDGETS = [10, 4, 2]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TOKENS = ANSWER_TOKENS
 ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"
 TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"
@@ -55,7 +57,7 @@ def checkpoint(family):
 def llm(checkpoint):
     engine = LLM(
         model=str(checkpoint),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         **ENGINE,
     )
@@ -171,7 +173,7 @@ def test_preemption_by_recompute_is_exact(checkpoint):
     tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step."""
     engine = LLM(
         model=str(checkpoint),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt={"image": 2, "video": 0},
         num_gpu_blocks_override=4,
         disable_log_stats=False,

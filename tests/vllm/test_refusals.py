@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 from vllm.plugins import load_general_plugins
 
 from priortr.integrations.vllm.config_hooks import (
+    BREAKABLE_GRAPHS,
     PruningConfigHook,
     UnservedFamilyHook,
     refusals,
@@ -23,6 +26,7 @@ from priortr.integrations.vllm.scheduler import PruningScheduler
 from priortr.integrations.vllm.settings import (
     RequestPolicy,
     check_request_kwargs,
+    check_request_media,
     engine_config,
     request_config,
     request_policy,
@@ -120,6 +124,66 @@ def test_breakable_cuda_graphs_are_refused(llava_dir, monkeypatch):
         config_of(llava_dir, enforce_eager=False)
     config_of(llava_dir, enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
     config_of(llava_dir)  # enforce_eager
+
+
+def test_breakable_cuda_graphs_stay_off_where_vllm_would_turn_them_on(llava_dir, monkeypatch):
+    """vLLM turns breakable CUDA graphs on by itself after the config hooks have run, for the
+    architectures it lists or under batch-invariant mode, unless VLLM_USE_BREAKABLE_CUDAGRAPH is set
+    (vLLM 0.33: vllm/config/vllm.py:842-862, run at :1793 after the hooks at :1539; 0.32 alike).
+    Emulated by reporting LLaVA as a listed architecture: a stock LLaVA then gets them (the emulation
+    works), a pruning one keeps them off (its hook sets vLLM's opt-out, 0)."""
+    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_by_default", lambda self: True)
+    monkeypatch.setenv(BREAKABLE_GRAPHS, "restored after the test")
+    monkeypatch.delenv(BREAKABLE_GRAPHS)
+    config_of(llava_dir, enforce_eager=False, hf_overrides={})
+    assert os.environ.get(BREAKABLE_GRAPHS) == "1"
+    monkeypatch.delenv(BREAKABLE_GRAPHS)
+    config_of(llava_dir, enforce_eager=False)
+    assert os.environ.get(BREAKABLE_GRAPHS) == "0"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("prefill_context_parallel_size", 2, "--prefill-context-parallel-size 1"),
+        ("decode_context_parallel_size", 2, "--decode-context-parallel-size 1"),
+        ("ubatch_size", 2, "--ubatch-size"),
+        ("enable_dbo", True, "--enable-dbo"),
+    ],
+    ids=["pcp", "dcp", "ubatch", "dbo"],
+)
+def test_context_parallelism_and_micro_batching_are_refused(llava_dir, field, value, flag):
+    """Settings that split a prompt across ranks (PCP: its rows; DCP: its KV cache) or a step into
+    micro-batches (vLLM 0.33: vllm/config/parallel.py:144, :389, :645-646; the V1 runner's
+    UBatchWrapper, vllm/v1/worker/gpu_model_runner.py:5159), set on a built config: vLLM's CPU build
+    refuses PCP (V1 runner), DCP on this checkpoint (it needs more ranks than KV heads) and
+    --ubatch-size (its all-to-all backends) itself. The same config without the setting has no
+    refusal (test_model_runner_v2_starts)."""
+    config = config_of(llava_dir)
+    setattr(config.parallel_config, field, value)
+    assert [line for line in refusals(config) if flag in line]
+    with pytest.raises(ValueError, match=flag):
+        PruningConfigHook.verify_and_update_config(config)
+
+
+@pytest.mark.parametrize(
+    ("setting", "env", "flag"),
+    [
+        ({"enable_dbo": True}, {}, "--enable-dbo"),
+        ({"enforce_eager": False}, {"VLLM_BATCH_INVARIANT": "1"}, "unset VLLM_BATCH_INVARIANT"),
+    ],
+    ids=["dbo", "batch-invariant"],
+)
+def test_dual_batch_overlap_and_batch_invariance_are_refused_where_stock_starts(
+    llava_dir, monkeypatch, setting, env, flag
+):
+    """Dual-batch overlap and batch-invariant mode, which vLLM's CPU build accepts: refused with
+    priortr settings when the engine starts, the same settings without them start."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=flag):
+        config_of(llava_dir, **setting)
+    config_of(llava_dir, **setting, hf_overrides={})
 
 
 @pytest.mark.parametrize(
@@ -300,7 +364,7 @@ def test_unservable_methods_and_settings_are_refused(settings, message):
 def test_request_settings():
     config = engine_config({"method": "priortr", "budget": 64}, N_LAYERS)
     assert request_config(config, None) is config
-    assert request_config(config, {"budget": 0.25}).budget == 0.25
+    assert request_config(config, {"budget": 64}) is config  # the engine's own budget
     assert request_config(config, {"enabled": False}) is None
     for bad, message in [({"layer": 1}, "only budget, enabled"), ({"budget": -1}, "positive"), (3, "a dict")]:
         with pytest.raises(ValueError, match=message):
@@ -317,11 +381,16 @@ def test_request_policy():
     assert request_config(config, {"enabled": False}, policy) is None
     with pytest.raises(ValueError, match=r"request budgets 32, 0\.25; got 16"):
         request_config(config, {"budget": 16}, policy)
-    assert request_config(config, {"budget": 16}).budget == 16  # no list: any valid budget
+    for unlisted in [16, 1, 0.25]:  # no list: the engine's budget only (default deny)
+        with pytest.raises(ValueError, match=r"its own budget \(64\) and grants requests no other"):
+            request_config(config, {"budget": unlisted})
     for bad in [
         {"request_budgets": []},
         {"request_budgets": [0]},
         {"request_processor_kwargs": "max_pixels"},
+        {"request_media_io_kwargs": "video.num_frames"},
+        {"request_media_io_kwargs": ["num_frames"]},
+        {"request_media_io_kwargs": ["video."]},
     ]:
         with pytest.raises(ValueError, match=r"request_|positive"):
             engine_config({"method": "priortr", **bad}, N_LAYERS)
@@ -334,6 +403,26 @@ def test_request_processor_kwargs_beside_priortr_are_refused():
     check_request_kwargs(request, {"max_pixels": 4096}, RequestPolicy())  # the operator's own value
     check_request_kwargs(request, {}, RequestPolicy(processor_kwargs=frozenset({"max_pixels"})))
     check_request_kwargs({"priortr": {"budget": 8}}, {}, RequestPolicy())
+
+
+def test_request_media_io_kwargs_are_refused_unless_granted():
+    """--trust-request-mm-kwargs also opens per-request media_io_kwargs (vLLM 0.33:
+    vllm/entrypoints/generate/base/protocol.py:72-97; they reach the processor as
+    ProcessorInputs.media_io_kwargs, vllm/multimodal/processing/inputs.py:30, in 0.32 too): a value
+    other than the operator's is refused unless the priortr settings grant it."""
+    requested = {"image": {"rgba_background_color": [0, 0, 0]}}
+    with pytest.raises(
+        ValueError, match=r"no media_io_kwargs from a request; got image\.rgba_background_color"
+    ):
+        check_request_media(requested, {}, RequestPolicy())
+    with pytest.raises(ValueError, match="rgba_background_color"):
+        check_request_media(requested, {"image": {"rgba_background_color": [9, 9, 9]}}, RequestPolicy())
+    check_request_media(requested, {"image": {"rgba_background_color": [0, 0, 0]}}, RequestPolicy())
+    granted = request_policy({"request_media_io_kwargs": ["image.rgba_background_color"]})
+    check_request_media(requested, {}, granted)
+    with pytest.raises(ValueError, match=r"got video\.num_frames"):
+        check_request_media({"video": {"num_frames": 4}}, {}, granted)
+    check_request_media({}, {"video": {"num_frames": 8}}, RequestPolicy())  # nothing of the request's
 
 
 def test_gemma3_is_refused_with_its_reason(gemma3_dir):

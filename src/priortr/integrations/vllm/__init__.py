@@ -2,11 +2,13 @@
 
 ``register`` is vLLM's ``vllm.general_plugins`` entry point, run in every vLLM process (its CLI
 parsing included): on a vLLM release in ``SUPPORTED_VLLM`` it registers the pruning model classes
-under vLLM's LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL architecture names, with their processors
-and config hooks, and a config hook that refuses ``priortr`` settings on the other families
+under vLLM's architecture names of the served families (``architectures.SERVED``), with their
+processors and config hooks, and a config hook that refuses ``priortr`` settings on the other families
 ``priortr.apply`` prunes. A model whose config carries no ``priortr`` settings is built as vLLM's own
-class. On any other vLLM, or on any error while registering, it logs one warning and registers
-nothing, so stock vLLM keeps working.
+class. On any other vLLM, or on any error while registering, it fails closed: it logs one warning and
+installs only a guard (``guard.py``) under which an engine whose model config carries ``priortr``
+settings refuses to start, naming the reason and the supported range, while stock models and vLLM's
+CLI keep working.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import logging
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = SpecifierSet(">=0.32,<0.34")
+SUPPORTED_RANGE = ">=0.32,<0.34"
 """The vLLM releases whose internals the plug-in was written and checked against (docs/serving.md)."""
+SUPPORTED_VLLM = SpecifierSet(SUPPORTED_RANGE)
 
 logger = logging.getLogger(__name__)
 
@@ -31,25 +34,45 @@ def supported(version: str) -> bool:
 
 
 def register() -> None:
-    """Register the pruning model classes, processors and config hooks with vLLM, or nothing."""
-    try:
-        import vllm
+    """Register the pruning model classes, processors and config hooks with vLLM; where that is not
+    possible, install the guard that refuses ``priortr`` configs instead (never raises: vLLM calls
+    this in every process, ``vllm --help`` included)."""
+    import vllm
 
-        found = vllm.__version__
-        if not supported(found):
-            logger.warning(
-                "priortr's vLLM plug-in supports vLLM %s and found %s: it registers nothing (the models "
-                "serve unpruned); install a supported vLLM (docs/serving.md)",
-                SUPPORTED_VLLM,
-                found,
-            )
-            return
+    found = getattr(vllm, "__version__", "unknown")
+    if not supported(found):
+        fail_closed(f"it supports vLLM {SUPPORTED_RANGE} and found {found}")
+        return
+    try:
         from priortr.integrations.vllm.registration import register_all
 
         register_all()
     except Exception as error:
-        logger.warning(
-            "priortr's vLLM plug-in registers nothing (the models serve unpruned): %s: %s",
+        fail_closed(
+            f"registering it with vLLM {found} failed with {type(error).__name__}: {error}; it supports "
+            f"vLLM {SUPPORTED_RANGE}"
+        )
+
+
+def fail_closed(reason: str) -> None:
+    """Install the guard that refuses ``priortr`` configs, logging ``reason`` once; if even the guard
+    cannot be installed, log an error saying that such a model would be served unpruned."""
+    try:
+        from priortr.integrations.vllm.guard import install
+
+        install(reason)
+    except Exception as error:
+        logger.error(
+            "priortr's vLLM plug-in is not active (%s) and could not install its guard (%s: %s): a model "
+            "whose config carries priortr settings would be served UNPRUNED; install a supported vLLM "
+            "(docs/serving.md)",
+            reason,
             type(error).__name__,
             error,
         )
+        return
+    logger.warning(
+        "priortr's vLLM plug-in is not active (%s): an engine whose model config carries priortr "
+        "settings refuses to start; stock models are served as usual (docs/serving.md)",
+        reason,
+    )

@@ -16,6 +16,7 @@ pruned step runs the layers one by one. What would replay or compile ``forward``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm import envs
@@ -24,12 +25,17 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
+from priortr.integrations.vllm.guard import SettingsGuard
 from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, served_config
-from priortr.integrations.vllm.settings import SETTINGS_KEY
 
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
 """The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
 where it schedules, not in every process that reads the config."""
+BREAKABLE_GRAPHS = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+"""vLLM's switch of breakable CUDA graphs, which replay a captured whole-model step. vLLM turns it on
+by itself after the config hooks run, for some architectures or under batch-invariant mode, unless
+it is set (vLLM 0.33: ``vllm/config/vllm.py:842-862``, run at ``:1793``, after the hooks at
+``:1539``); a pruning model's hook sets it to ``0``, vLLM's opt-out, where it is unset."""
 LINEAR_ROPE_CHANNELS = [1, 1, 1]
 """A 3-channel M-RoPE layout declared on a 1-D RoPE model's top-level config, so that vLLM keeps
 per-request positions for it (``positions.py``); its language model still builds plain RoPE."""
@@ -64,6 +70,7 @@ def refusals(vllm_config: Any) -> list[str]:
             "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
             "is served)"
         )
+    out += splitting_refusals(vllm_config)
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
     if vllm_config.kv_transfer_config is not None or vllm_config.cache_config.kv_offloading_size:
@@ -101,6 +108,36 @@ def refusals(vllm_config: Any) -> list[str]:
     return out
 
 
+def splitting_refusals(vllm_config: Any) -> list[str]:
+    """The settings that split a step, or a prompt, across ranks or micro-batches, or that promise
+    numerics a pruned step does not keep: a pruned prompt's layers 0..L, its scores and its cut are
+    planned for the whole prompt and the whole step on every rank."""
+    parallel = vllm_config.parallel_config
+    out = []
+    if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+        out.append(
+            "context parallelism: prefill context parallelism splits a prompt's rows across ranks and "
+            "decode context parallelism splits its KV cache, while a pruned prompt's layers 0..L, scores "
+            "and cut need the whole prompt on every rank; pass --prefill-context-parallel-size 1 "
+            "--decode-context-parallel-size 1 (--tensor-parallel-size is served)"
+        )
+    if parallel.use_ubatching:
+        out.append(
+            "micro-batching (dual-batch overlap): it runs a step as micro-batches, each calling the model "
+            "on part of the step's rows, while a pruned prompt's prefill is planned for the whole step; "
+            "drop --enable-dbo and --ubatch-size"
+        )
+    if envs.VLLM_BATCH_INVARIANT:
+        out.append(
+            "batch-invariant mode (VLLM_BATCH_INVARIANT=1): it promises each request the same numerics "
+            "whatever shares its step, while a step with a pruned prompt runs every row through the "
+            "layers one by one outside the compiled model, and the pruned prompt's layers 0..L through "
+            "SDPA (and under it vLLM may turn breakable CUDA graphs on after these checks); unset "
+            "VLLM_BATCH_INVARIANT"
+        )
+    return out
+
+
 def compiled_refusals(vllm_config: Any) -> list[str]:
     """The compilation and CUDA-graph settings that would run a step with a pruned prompt without the
     model's Python ``forward``: stock torch.compile of the whole model (``forward`` plans on the host),
@@ -133,8 +170,9 @@ def compiled_refusals(vllm_config: Any) -> list[str]:
 
 
 class PruningConfigHook(VerifyAndUpdateConfig):
-    """Refuse what cannot be served exactly; serve with the plug-in's scheduler; give a 1-D RoPE
-    model per-request positions."""
+    """Refuse what cannot be served exactly; keep vLLM from turning breakable CUDA graphs on after
+    the checks (``BREAKABLE_GRAPHS``); serve with the plug-in's scheduler; give a 1-D RoPE model
+    per-request positions."""
 
     linear_rope = False
 
@@ -153,6 +191,7 @@ class PruningConfigHook(VerifyAndUpdateConfig):
             raise ValueError(
                 "priortr cannot prune exactly with these vLLM settings:\n- " + "\n- ".join(problems)
             )
+        os.environ.setdefault(BREAKABLE_GRAPHS, "0")
         scheduler = vllm_config.scheduler_config
         if scheduler.scheduler_cls is None:
             scheduler.scheduler_cls = SCHEDULER
@@ -177,38 +216,29 @@ class DeepStackConfigHook(PruningConfigHook):
             check_injection(config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
 
 
-class UnservedFamilyHook(VerifyAndUpdateConfig):
-    """An architecture the plug-in does not serve (``registration.UNSERVED``, with ``reason``): vLLM
+class UnservedFamilyHook(SettingsGuard):
+    """An architecture the plug-in does not serve (``architectures.UNSERVED``, with ``reason``): vLLM
     would build its own class and never read the ``priortr`` settings, serving the model unpruned, so a
     config carrying them is refused when the engine starts. vLLM's own hook for the architecture
     (``previous``) runs as before; a config without ``priortr`` settings is untouched."""
 
-    previous: type[VerifyAndUpdateConfig] = VerifyAndUpdateConfig
     reason: str
 
     @classmethod
-    def verify_and_update_model_config(cls, model_config: Any) -> None:
-        cls.previous.verify_and_update_model_config(model_config)
-
-    @classmethod
-    def verify_and_update_config(cls, vllm_config: Any) -> None:
-        model_config = vllm_config.model_config
-        if getattr(model_config.hf_config, SETTINGS_KEY, None) is not None:
-            raise ValueError(
-                f"priortr's vLLM plug-in does not serve {model_config.architecture} ({cls.reason}; "
-                "docs/serving.md, Families): with these priortr settings it would be served unpruned; drop "
-                "them to serve it unpruned, or prune it with priortr.apply on Hugging Face transformers"
-            )
-        cls.previous.verify_and_update_config(vllm_config)
+    def refusal(cls, architecture: str) -> str:
+        return (
+            f"priortr's vLLM plug-in does not serve {architecture} ({cls.reason}; docs/serving.md, "
+            "Families): with these priortr settings it would be served unpruned; drop them to serve it "
+            "unpruned, or prune it with priortr.apply on Hugging Face transformers"
+        )
 
 
-def unserved_hook(previous: type[VerifyAndUpdateConfig] | None, reason: str) -> type[VerifyAndUpdateConfig]:
+def unserved_hook(previous: type[VerifyAndUpdateConfig] | None, reason: str) -> type[SettingsGuard]:
     """The refusing hook, giving ``reason``, over vLLM's own hook ``previous`` (None: it has none);
     idempotent, as every vLLM process registers the plug-in."""
     if previous is not None and issubclass(previous, UnservedFamilyHook):
         return previous
-    own = previous or VerifyAndUpdateConfig
-    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": own, "reason": reason})
+    return type("UnservedFamilyHook", (UnservedFamilyHook,), {"previous": previous, "reason": reason})
 
 
 def moe_refusals(vllm_config: Any) -> list[str]:

@@ -5,15 +5,18 @@ Each class is vLLM's own model class with four hooks. A model config without ``p
 gets vLLM's own class (``PruningModel.__new__`` builds that instead), so a stock model never runs
 the plug-in's code. The hooks:
 
-* ``embed_multimodal``: each pruned image's N encoder rows travel as one row of N * D values, so
-  vLLM's encoder cache holds the whole image whatever K the prompt laid out for it (the cache is keyed
-  by the image, not by the request, and K depends on the request); an unpruned image's rows stay as
-  vLLM lays them out;
+* ``embed_multimodal``: each pruned image's N encoder rows travel as K rows of N * D values (one row
+  of N * D, expanded to K without a copy), so vLLM's encoder cache holds the whole image whatever K the
+  prompt laid out for it (the cache is keyed by the image, not by the request, and K depends on the
+  request), and vLLM hands the step K rows for the image's K placeholders; an unpruned image's rows
+  stay as vLLM lays them out;
 * ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
   as vLLM merges it. An image is the placeholders that take its embeddings (vLLM's ``is_multimodal``
-  rows): a pruned image's K slots are one run (``processor.shrink_prompt``), an unpruned image's rows
-  may be several runs (Mistral 3's rows); tokens of its placeholder range outside them (InternVL's
-  ``<img>`` and ``</img>``, Mistral 3's row breaks) are text rows;
+  rows), as many rows as vLLM handed it: a pruned image's K slots are one run
+  (``processor.shrink_prompt``), joined to the next image's where no text stands between them
+  (LLaVA-OneVision's chat template), an unpruned image's rows may be several runs (Mistral 3's rows);
+  tokens of its placeholder range outside them (InternVL's ``<img>`` and ``</img>``, Mistral 3's row
+  breaks) are text rows;
 * ``get_mrope_input_positions``: a request's positions and decode offset (``positions.py``); the 1-D
   RoPE families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, InternVL, Mistral 3) are given vLLM's per-request
   M-RoPE bookkeeping for this, their layers still get 1-D positions;
@@ -62,6 +65,7 @@ from priortr.integrations.vllm.prefill_step import (
     prefill_prompt,
 )
 from priortr.integrations.vllm.processor import (
+    KEPT_KEY,
     PROMPT_LENGTH_KEY,
     UNPRUNED_LENGTH_KEY,
     embedded_tokens,
@@ -125,15 +129,17 @@ class PruningModel:
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
-        fields, and only theirs carry the prompt length) packed as [1, N * D] each. Other images
-        stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a
-        chunk boundary may fall inside an unpruned image."""
-        pruned = kwargs.pop(PROMPT_LENGTH_KEY, None) is not None  # read by get_mrope_input_positions
+        fields, and only theirs carry the prompt length and K) packed as [K, N * D] each, one row of
+        N * D expanded to the image's K placeholders (a view: no copy). Other images stay [N, D], which
+        vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may fall
+        inside an unpruned image."""
+        kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions
         kwargs.pop(UNPRUNED_LENGTH_KEY, None)  # read by the scheduler
+        kept = kwargs.pop(KEPT_KEY, None)  # K per image, a host tensor (keep_on_cpu)
         embeddings = super().embed_multimodal(**kwargs)
-        if not pruned:
+        if kept is None:
             return embeddings
-        return [image.reshape(1, -1) for image in embeddings]
+        return [image.reshape(1, -1).expand(int(k), -1) for image, k in zip(embeddings, kept, strict=True)]
 
     def embed_input_ids(
         self,
@@ -148,17 +154,15 @@ class PruningModel:
         width = self._encoder_width()
         images, runs = [], iter(image_runs(is_multimodal))
         row = end = 0
-        for packed in multimodal_embeddings:  # a pruned request's image [1, N * W], else the step's [n, W]
-            embeddings = packed.view(-1, width)
+        for packed in multimodal_embeddings:  # a pruned request's image [K, N * W], else the step's [n, W]
+            embeddings = packed[0].view(-1, width) if packed.shape[1] > width else packed
             first, taken = None, 0
-            while taken < embeddings.shape[0]:
+            while taken < packed.shape[0]:  # its rows in the step, across runs (Mistral 3's image rows)
                 if row == end:
                     row, end = next(runs)
                 first = row if first is None else first
-                rows = min(embeddings.shape[0] - taken, end - row)
+                rows = min(packed.shape[0] - taken, end - row)
                 row, taken = row + rows, taken + rows
-                if packed.shape[0] == 1:  # its K slots are one run
-                    break
             images.append(StepImage(first, taken, embeddings))
         if any(image.pruned for image in images):
             self._step = StepInputs(input_ids.tolist(), images)

@@ -68,7 +68,8 @@ class PrunedPrompt:
     them, in a re-prefill after preemption, are generated tokens run as usual); ``token_ids``,
     ``positions`` [3, S]: the full prompt (N tokens per image) and its positions; ``text_columns`` /
     ``text_rows``: its text tokens' indices in the full prompt and their batch rows; ``images``: each
-    image's columns in the full prompt [N] and its embeddings; ``counts``: tokens each image keeps."""
+    image's columns in the full prompt [N] and its embeddings; ``counts``: tokens each run of images
+    keeps (an image, or images with no text between them: one item of ``priortr.apply``)."""
 
     start: int
     length: int
@@ -135,20 +136,31 @@ def _plan_prompt(
     image_row_breaks: bool,
 ) -> PrunedPrompt:
     """One pruned request's full prompt of ``length`` tokens, read back from its scheduled rows and
-    their records; an image's row breaks (``image_row_breaks``) are the rows after its K slots."""
+    their records; an image's row breaks (``image_row_breaks``) are the rows after its K slots.
+
+    Images with no text between them (their slots back to back) are one run of visual tokens, which
+    ``priortr.apply`` ranks as one item under one budget: ``counts`` holds one count per run, the sum of
+    its images' slots."""
     token_ids: list[int] = []
     columns: list[torch.Tensor] = []
     text_columns: list[int] = []
     text_rows: list[int] = []
     placed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    counts: list[int] = []
     row = start
     for image in images:
+        adjacent = bool(placed) and image.row == row  # right after the previous image's slots
         for r in range(row, image.row):
             text_columns.append(len(token_ids))
             text_rows.append(r)
             token_ids.append(step.input_ids[r])
-        columns.append(torch.tensor([[p[r] for r in range(row, image.row)] for p in positions]))
-        base = positions[0][image.row - 1] + 1 if image.row > start else 0
+        if adjacent:  # the position after the previous image's tokens (its slots hold records)
+            base = int(columns[-1].max()) + 1
+        else:
+            base = positions[0][image.row - 1] + 1 if image.row > start else 0
+        columns.append(
+            torch.tensor([[p[r] for r in range(row, image.row)] for p in positions], dtype=torch.long)
+        )
         grid = (positions[1][image.row], positions[2][image.row])
         n_tokens = image.embeddings.shape[0]
         if grid[0] * grid[1] != n_tokens:
@@ -166,12 +178,18 @@ def _plan_prompt(
         embedded = sorted(set(range(first, len(token_ids))) - set(columns_of_breaks))
         placed.append((torch.tensor(embedded, dtype=torch.long), image.embeddings))
         columns.append(image_positions(base, (1, len(token_ids) - first) if breaks else grid, linear))
+        if adjacent:
+            counts[-1] += image.kept
+        else:
+            counts.append(image.kept)
         row = inside + len(breaks)
     for r in range(row, start + length):
         text_columns.append(len(token_ids))
         text_rows.append(r)
         token_ids.append(step.input_ids[r])
-    columns.append(torch.tensor([[p[r] for r in range(row, start + length)] for p in positions]))
+    columns.append(
+        torch.tensor([[p[r] for r in range(row, start + length)] for p in positions], dtype=torch.long)
+    )
     return PrunedPrompt(
         start=start,
         length=length,
@@ -180,7 +198,7 @@ def _plan_prompt(
         text_columns=torch.tensor(text_columns, dtype=torch.long),
         text_rows=torch.tensor(text_rows, dtype=torch.long),
         images=placed,
-        counts=[image.kept for image in images],
+        counts=counts,
     )
 
 

@@ -32,6 +32,7 @@ from priortr.engine.plan import plan_on_host
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     check_request_kwargs,
+    check_request_media,
     engine_config,
     request_config,
     request_policy,
@@ -40,6 +41,9 @@ from priortr.integrations.vllm.settings import (
 PROMPT_LENGTH_KEY = "priortr_prompt_length"
 """The field of a pruned request's image items that holds the length of the request's scheduled
 prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
+KEPT_KEY = "priortr_kept"
+"""The field of a pruned request's image items that holds the image's K placeholders, read by
+``embed_multimodal``, which hands the image's N encoder rows on as K rows (``models.py``)."""
 UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
 """The field of a pruned request's image items that holds the length of its prompt unpruned (N
 placeholders per image), read by the scheduler to end the answer before its positions leave the
@@ -57,17 +61,21 @@ def served_config(hf_config: Any) -> PruningConfig | None:
     return engine_config(settings, hf_config.get_text_config().num_hidden_layers)
 
 
-def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> list[int]:
-    """Tokens each image of ``prompt`` (every image laid out with its N placeholders, prompt order)
-    keeps after the scored layer under ``config``; raises the library's ValueError for a prompt that
-    cannot be scored."""
+def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> list[tuple[int, int, int]]:
+    """The items ``priortr.apply`` prunes in ``prompt`` (every image laid out with its N placeholders,
+    prompt order), each as (the prompt index of its first visual token, its visual tokens, how many it
+    keeps after the scored layer under ``config``); raises the library's ValueError for a prompt that
+    cannot be scored. Images with no text between them are one item (one run of placeholders, one
+    budget, one separator)."""
     ids = torch.tensor([prompt])
     adapter = adapter_for_type(hf_config.model_type)
     n_layers = hf_config.get_text_config().num_hidden_layers
     host = plan_on_host(adapter, hf_config, config, ids, torch.ones_like(ids, dtype=torch.bool), n_layers)
     if host is None:
         return []
-    return [min(pool.stages[config.layer], pool.size) for pool in host.pools]
+    return [
+        (int(pool.positions[0]), pool.size, min(pool.stages[config.layer], pool.size)) for pool in host.pools
+    ]
 
 
 def embedded_tokens(span: PlaceholderRange) -> tuple[int, int]:
@@ -123,6 +131,12 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
 class PruningProcessor:
     """Mixin for a vLLM multimodal processor: a pruned request's images get K placeholders each."""
 
+    adjacent_images = False
+    """True for a family whose images may stand back to back (no text between them): ``priortr.apply``
+    prunes them as one run under one budget, and so does the plug-in (``image_counts``). The 1-D RoPE
+    families whose placeholder range is the image's tokens alone (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision)
+    serve them; the others refuse them (``ADJACENT_REFUSED``)."""
+
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
         """The Hugging Face processor never sees the ``priortr`` request setting (InternVL's vLLM
         processor calls it here directly, not through ``_call_hf_processor``)."""
@@ -147,18 +161,19 @@ class PruningProcessor:
         So a pruned request is laid out first without vLLM's processor cache (which must see only what
         reaches the engine), and then processed again with each image identified as (image, N, the
         fields that fix its encoder output's shape, K, prompt length, unpruned length): the image
-        carries both lengths (``with_prompt_length``). N and those fields are in the identity because a
-        client's image ``uuid`` stands for the pixels and nothing else: two images of different sizes
-        sent under one uuid, at the same K and prompt length, must not share an encoder output (vLLM's
-        own reuse check compares the placeholder counts, K = K, and would let the second request meet
-        the first image's N rows)."""
+        carries both lengths and its K (``with_records``). N and those fields are in the identity
+        because a client's image ``uuid`` stands for the pixels and nothing else: two images of
+        different sizes sent under one uuid, at the same K and prompt length, must not share an encoder
+        output (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second
+        request meet the first image's N rows)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
         if engine is None:
             return super().apply(inputs, timing_ctx)
         policy = request_policy(getattr(hf_config, SETTINGS_KEY))
-        engine_defaults = self.info.ctx.model_config.multimodal_config.mm_processor_kwargs or {}
-        check_request_kwargs(inputs.hf_processor_mm_kwargs, engine_defaults, policy)
+        operator = self.info.ctx.model_config.multimodal_config  # the engine's --mm-processor-kwargs etc.
+        check_request_kwargs(inputs.hf_processor_mm_kwargs, operator.mm_processor_kwargs or {}, policy)
+        check_request_media(inputs.media_io_kwargs, operator.media_io_kwargs or {}, policy)
         config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
         if config is None:
             return super().apply(inputs, timing_ctx)
@@ -166,7 +181,7 @@ class PruningProcessor:
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
         images = list(laid_out["mm_placeholders"].get("image", []))
         tokens = [embedded_tokens(span)[1] for span in images]  # N per image
-        counts = image_counts(hf_config, config, laid_out)
+        counts = image_counts(hf_config, config, laid_out, self.adjacent_images)
         if counts == tokens:
             return super().apply(inputs, timing_ctx)
         unpruned = len(laid_out["prompt_token_ids"])
@@ -183,7 +198,10 @@ class PruningProcessor:
         out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
-        items = [with_prompt_length(item, length, unpruned) for item in out["mm_kwargs"]["image"]]
+        items = [
+            with_records(item, length, kept, unpruned)
+            for item, kept in zip(out["mm_kwargs"]["image"], counts, strict=True)
+        ]
         return {
             **out,
             "prompt_token_ids": prompt,
@@ -254,29 +272,41 @@ def check_step_limit(length: int, limit: int | None) -> None:
         )
 
 
-def with_prompt_length(
-    item: MultiModalKwargsItem | None, length: int, unpruned: int
+def with_records(
+    item: MultiModalKwargsItem | None, length: int, kept: int, unpruned: int
 ) -> MultiModalKwargsItem | None:
-    """``item`` (an image of a pruned request) with the request's prompt length and its unpruned length
-    as two more fields.
+    """``item`` (an image of a pruned request) with the request's prompt length, the image's K and the
+    request's unpruned length as three more fields.
 
     vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
     asks the model for its positions again, so the prompt length cannot be read from the tokens.
     It rides on the image instead, which every cache keys by the image's identity; that identity
-    holds both lengths too, so requests that share a cached item share them. ``None`` (an item vLLM's
+    holds the lengths and K too, so requests that share a cached item share them. K tells
+    ``embed_multimodal`` how many placeholders the image's encoder rows fill: adjacent images' K slots
+    are one run of placeholders, which no count in the step separates. ``None`` (an item vLLM's
     processor cache already sent to the engine, which has it with these fields) stays None."""
     if item is None:
         return None
     fields = {
         key: MultiModalFieldElem(data=torch.tensor(value), field=MultiModalBatchedField(keep_on_cpu=True))
-        for key, value in ((PROMPT_LENGTH_KEY, length), (UNPRUNED_LENGTH_KEY, unpruned))
+        for key, value in ((PROMPT_LENGTH_KEY, length), (KEPT_KEY, kept), (UNPRUNED_LENGTH_KEY, unpruned))
     }
     return MultiModalKwargsItem({**item, **fields})
 
 
-def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[int]:
+ADJACENT_REFUSED = (
+    "this family's chat template never writes two images back to back, and the plug-in has not checked "
+    "its positions for them against priortr.apply"
+)
+"""Why a family without ``PruningProcessor.adjacent_images`` refuses a pruned prompt with adjacent
+images (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose templates wrap every image in ``<|vision_start|>`` and
+``<|vision_end|>``; InternVL's and Mistral 3's placeholder ranges end in text, so theirs never meet)."""
+
+
+def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent: bool) -> list[int]:
     """Tokens each image of a processed request (``laid_out``: N placeholders per image) keeps under
-    ``config``, in vLLM's order of its images; refuses what the plug-in cannot prune."""
+    ``config``, in vLLM's order of its images; refuses what the plug-in cannot prune. ``adjacent``:
+    the family serves images with no text between them (``PruningProcessor.adjacent_images``)."""
     placeholders = laid_out["mm_placeholders"]
     images = list(placeholders.get("image", []))
     if not images:
@@ -287,14 +317,50 @@ def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any) -> list[i
             f"priortr in vLLM prunes images only and this request also holds {', '.join(others)}; "
             f'send it with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
         )
-    counts = kept_counts(hf_config, config, laid_out["prompt_token_ids"])
-    if len(counts) != len(images):
-        raise ValueError(
-            f"priortr found {len(counts)} images in the prompt but vLLM laid out {len(images)}; put "
-            "text between images"
-        )
-    by_offset = sorted(range(len(images)), key=lambda i: images[i].offset)
+    spans = [embedded_tokens(span) for span in images]
+    by_offset = sorted(range(len(images)), key=lambda i: spans[i][0])
     in_order = [0] * len(images)
-    for rank, i in enumerate(by_offset):
-        in_order[i] = counts[rank]
+    pending = iter(by_offset)
+    for start, size, kept in kept_counts(hf_config, config, laid_out["prompt_token_ids"]):
+        run: list[int] = []
+        for i in pending:
+            run.append(i)
+            if sum(spans[j][1] for j in run) >= size:
+                break
+        if not run or spans[run[0]][0] != start or sum(spans[j][1] for j in run) != size:
+            raise ValueError(
+                "priortr: the images vLLM laid out in this prompt are not the runs of image tokens "
+                f'priortr.apply prunes; send it with mm_processor_kwargs={{"{SETTINGS_KEY}": '
+                '{"enabled": false}}'
+            )
+        if len(run) > 1 and not adjacent:
+            raise ValueError(
+                f"priortr prunes images with no text between them as one run, and {ADJACENT_REFUSED}; "
+                "put text between images"
+            )
+        for i, count in zip(run, split_run(kept, [spans[i][1] for i in run]), strict=True):
+            in_order[i] = count
+    if 0 in in_order:
+        raise ValueError(
+            "priortr: vLLM laid out an image that priortr.apply does not find in this prompt; send it "
+            f'with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
+        )
     return in_order
+
+
+def split_run(kept: int, tokens: list[int]) -> list[int]:
+    """Placeholders for each image of a run of adjacent images with ``tokens[i]`` tokens each, whose
+    run keeps ``kept`` of them: every image 1 to its N (vLLM needs a placeholder to place an image),
+    filled in order. Which image's slots hold which kept token does not matter: after layer L the slots
+    hold the run's kept tokens in prompt order at their original positions (``prefill_step.py``)."""
+    if kept < len(tokens):
+        raise ValueError(
+            f"priortr keeps {kept} tokens of a run of {len(tokens)} images with no text between them, and "
+            "vLLM places each image on at least one token; ask for a larger budget, or put text between "
+            "images"
+        )
+    counts = []
+    for index, size in enumerate(tokens):
+        count = min(size, kept - sum(counts) - (len(tokens) - index - 1))
+        counts.append(count)
+    return counts

@@ -20,6 +20,7 @@ from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from priortr.integrations.vllm.architectures import UNSERVED
 from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
     LinearRopeConfigHook,
@@ -42,7 +43,10 @@ from priortr.integrations.vllm.processor import PruningProcessor
 
 
 class LlavaProcessor(PruningProcessor, llava.LlavaMultiModalProcessor):
-    """LLaVA-1.5's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-1.5's processor, pruned requests cut to K placeholders per image (adjacent images: one
+    run, one budget, as ``priortr.apply`` prunes them)."""
+
+    adjacent_images = True
 
 
 class Qwen2VLProcessor(PruningProcessor, qwen2_vl.Qwen2VLMultiModalProcessor):
@@ -63,11 +67,18 @@ class InternVLProcessor(PruningProcessor, interns1.InternS1MultiModalProcessor):
 
 
 class LlavaNextProcessor(PruningProcessor, llava_next.LlavaNextMultiModalProcessor):
-    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-NeXT's processor, pruned requests cut to K placeholders per image (adjacent images: one
+    run, one budget, as ``priortr.apply`` prunes them)."""
+
+    adjacent_images = True
 
 
 class LlavaOnevisionProcessor(PruningProcessor, llava_onevision.LlavaOnevisionMultiModalProcessor):
-    """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image."""
+    """LLaVA-OneVision's processor, pruned requests cut to K placeholders per image (adjacent images, as
+    its llava-hf chat template writes a message's images: one run, one budget, as ``priortr.apply``
+    prunes them)."""
+
+    adjacent_images = True
 
 
 class Mistral3Processor(PruningProcessor, mistral3.Mistral3MultiModalProcessor):
@@ -171,28 +182,6 @@ FAMILIES = (
     ),
 )
 """Every served family, one row each: ``register_all`` registers them all alike."""
-NOT_YET = "no plug-in class wraps its vLLM model yet"
-UNSERVED = {
-    "InternVLChatModel": (
-        "InternVL's original layout, whose config and modeling code are the checkpoint's own remote code "
-        "(trust_remote_code), which priortr.apply has no adapter for, so the plug-in's answers could not be "
-        "checked against it; serve the Hugging Face format, InternVLForConditionalGeneration (the "
-        "OpenGVLab/*-hf checkpoints)"
-    ),
-    "Gemma3ForConditionalGeneration": (
-        "its sliding-window layers would count their window over the request's cache slots in vLLM (text + "
-        "K per image after the cut) but over the prompt's positions in priortr.apply (text + N), so answers "
-        "differ once a request's unpruned length passes the window; and vLLM's CPU attention has no "
-        "bidirectional masks for the tokens of an image (stock vLLM on CPU attends causally within a Gemma 3 "
-        "image, where transformers attends both ways)"
-    ),
-    "Idefics3ForConditionalGeneration": NOT_YET,
-    "Glm4vForConditionalGeneration": NOT_YET,
-    "Llama4ForConditionalGeneration": NOT_YET,
-}
-"""vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve, with the
-reason: a config with ``priortr`` settings is refused at engine start instead of being served unpruned
-(docs/serving.md)."""
 
 
 def register_all() -> None:

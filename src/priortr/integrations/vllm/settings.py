@@ -7,10 +7,14 @@ The engine-wide settings ride in the model's Hugging Face config under ``priortr
 checked by the library's own ``PruningConfig.of``, so a bad setting reads as it does for ``apply``.
 
 What a request may set is the operator's choice (``RequestPolicy``): vLLM's server takes request
-``mm_processor_kwargs`` only under ``--trust-request-mm-kwargs``, which opens every Hugging Face
-processor keyword; a served pruning model accepts ``priortr`` alone there (plus the keywords the
-operator lists in ``request_processor_kwargs``), and only the budgets listed in ``request_budgets``
-when the operator lists them.
+``mm_processor_kwargs`` and ``media_io_kwargs`` only under ``--trust-request-mm-kwargs``, which opens
+every Hugging Face processor keyword and every media-loading keyword; a served pruning model accepts
+``priortr`` alone in ``mm_processor_kwargs`` (plus the keywords the operator lists in
+``request_processor_kwargs``), no ``media_io_kwargs`` of its own (but those the operator lists in
+``request_media_io_kwargs``), and a budget other than the engine's only where the operator lists it
+in ``request_budgets`` (default deny: the budgets clients may pick, and so the smallest K a request
+may bring, are the operator's choice; docs/serving.md, Security). Turning pruning off is always
+allowed: it costs what a request on stock vLLM costs.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ SETTINGS_KEY = "priortr"
 CONFIG_KEYS = frozenset(
     {"method", "budget", "layer", "options", "heads", "posterior_rows", "separator_offset", "seed"}
 )
-POLICY_KEYS = frozenset({"request_budgets", "request_processor_kwargs"})
+POLICY_KEYS = frozenset({"request_budgets", "request_processor_kwargs", "request_media_io_kwargs"})
 ENGINE_KEYS = CONFIG_KEYS | POLICY_KEYS
 REQUEST_KEYS = frozenset({"budget", "enabled"})
 SERVED_EVIDENCE = frozenset({"attention", "text_rows"})
@@ -59,11 +63,13 @@ def engine_config(settings: object, n_layers: int) -> PruningConfig:
 @dataclass(frozen=True)
 class RequestPolicy:
     """What a request may set on a served pruning model: ``budgets``, the budgets it may ask for
-    (None: any valid budget), and ``processor_kwargs``, the Hugging Face processor keywords it may
-    pass beside ``priortr``."""
+    besides the engine's (none unless listed), ``processor_kwargs``, the Hugging Face processor
+    keywords it may pass beside ``priortr``, and ``media_io_kwargs``, the media-loading keywords it
+    may pass, each named ``"modality.keyword"`` (``"video.num_frames"``)."""
 
-    budgets: tuple[int | float, ...] | None = None
+    budgets: tuple[int | float, ...] = ()
     processor_kwargs: frozenset[str] = frozenset()
+    media_io_kwargs: frozenset[str] = frozenset()
 
 
 def request_policy(settings: Mapping[str, Any]) -> RequestPolicy:
@@ -74,11 +80,18 @@ def request_policy(settings: Mapping[str, Any]) -> RequestPolicy:
             raise ValueError(f"request_budgets must be a list of budgets (counts or ratios); got {budgets!r}")
         for budget in budgets:
             resolve_budget(budget, n_visual=1 << 30)  # the library's check of a count or a ratio
-        budgets = tuple(budgets)
     keywords = settings.get("request_processor_kwargs", [])
     if not isinstance(keywords, list | tuple) or not all(isinstance(k, str) for k in keywords):
         raise ValueError(f"request_processor_kwargs must be a list of keyword names; got {keywords!r}")
-    return RequestPolicy(budgets, frozenset(keywords))
+    media = settings.get("request_media_io_kwargs", [])
+    if not isinstance(media, list | tuple) or not all(
+        isinstance(k, str) and len(k.split(".")) == 2 and all(k.split(".")) for k in media
+    ):
+        raise ValueError(
+            'request_media_io_kwargs must be a list of "modality.keyword" names, e.g. '
+            f'["video.num_frames"]; got {media!r}'
+        )
+    return RequestPolicy(tuple(budgets or ()), frozenset(keywords), frozenset(media))
 
 
 def check_request_kwargs(
@@ -93,6 +106,29 @@ def check_request_kwargs(
             f"this server accepts only {SETTINGS_KEY!r} in a request's mm_processor_kwargs; got "
             f"{', '.join(refused)} (the operator may set them for every request with --mm-processor-kwargs, "
             f'or grant them with "request_processor_kwargs" in the priortr settings)'
+        )
+
+
+def check_request_media(
+    requested: Mapping[str, Mapping[str, object]],
+    engine_defaults: Mapping[str, Mapping[str, object]],
+    policy: RequestPolicy,
+) -> None:
+    """Refuse media-loading keywords a request set (``requested``: vLLM's per-modality
+    ``media_io_kwargs`` of the request, merged over the engine's ``--media-io-kwargs`` where vLLM's
+    server merges them) that differ from the engine's and that ``policy`` does not grant."""
+    changed = {
+        f"{modality}.{key}"
+        for modality, keywords in requested.items()
+        for key, value in (keywords or {}).items()
+        if (engine_defaults.get(modality) or {}).get(key, _UNSET) != value
+    }
+    refused = sorted(changed - policy.media_io_kwargs)
+    if refused:
+        raise ValueError(
+            f"this server accepts no media_io_kwargs from a request; got {', '.join(refused)} (the "
+            "operator may set them for every request with --media-io-kwargs, or grant chosen ones with "
+            f'"request_media_io_kwargs": ["{refused[0]}"] in the priortr settings)'
         )
 
 
@@ -130,7 +166,8 @@ def request_config(
     config: PruningConfig, override: object, policy: RequestPolicy = RequestPolicy()
 ) -> PruningConfig | None:
     """The settings of one request: ``config`` with the request's ``priortr`` override applied, or
-    None when the request turns pruning off; a budget ``policy`` does not list is refused."""
+    None when the request turns pruning off; a budget other than the engine's that ``policy`` does
+    not list is refused."""
     if override is None:
         return config
     if not isinstance(override, Mapping):
@@ -153,7 +190,15 @@ def request_config(
         return config
     budget: Any = override["budget"]
     resolve_budget(budget, n_visual=1 << 30)  # the library's check of a count or a ratio
-    if policy.budgets is not None and budget not in policy.budgets:
+    if budget == config.budget:
+        return config
+    if not policy.budgets:
+        raise ValueError(
+            f"this server serves its own budget ({config.budget}) and grants requests no other; got "
+            f"{budget!r} (the operator lists the budgets a request may ask for with "
+            '"request_budgets" in the priortr settings)'
+        )
+    if budget not in policy.budgets:
         raise ValueError(
             f"this server serves the request budgets {', '.join(map(str, policy.budgets))}; got {budget!r}"
         )
