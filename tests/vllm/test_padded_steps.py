@@ -28,6 +28,8 @@ from tests.vllm.harness import ANSWER_TOKENS, apply_settings, run_arrivals
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, QWEN_IMAGE, hf_tokens, image, vllm_request
 
 PAD = 8
+REQUEST_BUDGETS = [2]
+"""The budgets this module's requests ask for, which the engine grants (its ``request_budgets``)."""
 TEXT_ONLY = "USER: what is the color of the cat ASSISTANT:"
 
 
@@ -109,7 +111,7 @@ def served(request: pytest.FixtureRequest) -> tuple[Family, Any, LLM]:
     path = request.getfixturevalue(family.fixture)
     engine = LLM(
         model=str(path),
-        hf_overrides={"priortr": family.settings},
+        hf_overrides={"priortr": {**family.settings, "request_budgets": REQUEST_BUDGETS}},
         limit_mm_per_prompt=family.limits,
         **ENGINE,
     )
