@@ -1,7 +1,8 @@
 """The plug-in's scheduler rules on stand-in requests, vLLM's own scheduling stubbed out: which
 request is pruned, that a pruned request skips the prefix cache from its arrival, that a chunk ending
-inside a pruned prompt is not scheduled, and the asynchronous variant. test_cache_and_chunks.py runs
-them in an engine."""
+inside a pruned prompt is not scheduled, that a pruned answer ends before its positions leave the model's,
+and the asynchronous variant. test_cache_and_chunks.py and test_request_limits.py run them in an
+engine."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache
-from priortr.integrations.vllm.processor import ENCODED_KEY, PROMPT_LENGTH_KEY, check_step_limit
+from priortr.integrations.vllm.processor import (
+    ENCODED_KEY,
+    PROMPT_LENGTH_KEY,
+    UNPRUNED_LENGTH_KEY,
+    check_step_limit,
+)
 from priortr.integrations.vllm.scheduler import PruningAsyncScheduler, PruningScheduler, pruned
 
 PROMPT = 67
+UNPRUNED_PROMPT = 91  # the prompt with every image whole
+MAX_MODEL_LEN = 200
+POSITIONS = 300  # max_position_embeddings, above max_model_len: the limit of a pruned request's positions
 
 
 def feature(modality: str = "image", data: dict | None = None) -> SimpleNamespace:
@@ -25,13 +34,21 @@ def feature(modality: str = "image", data: dict | None = None) -> SimpleNamespac
 
 def stand_in(*features: SimpleNamespace) -> SimpleNamespace:
     return SimpleNamespace(
-        mm_features=list(features), num_prompt_tokens=PROMPT, skip_reading_prefix_cache=False
+        mm_features=list(features), num_prompt_tokens=PROMPT, skip_reading_prefix_cache=False, max_tokens=1
     )
 
 
-PRUNED = stand_in(
-    feature(data={"pixel_values": 0}), feature(data={"pixel_values": 0, PROMPT_LENGTH_KEY: PROMPT})
-)
+def pruned_stand_in(unpruned: int = UNPRUNED_PROMPT) -> SimpleNamespace:
+    """A pruned request as the processor sends it: its image carries both lengths (vLLM's field
+    elements, read through ``.data``); the other image is unpruned."""
+    lengths = {
+        PROMPT_LENGTH_KEY: SimpleNamespace(data=PROMPT),
+        UNPRUNED_LENGTH_KEY: SimpleNamespace(data=unpruned),
+    }
+    return stand_in(feature(data={"pixel_values": 0}), feature(data={"pixel_values": 0, **lengths}))
+
+
+PRUNED = pruned_stand_in()
 UNPRUNED = stand_in(feature(data={"pixel_values": 0}))
 
 
@@ -58,6 +75,9 @@ def bare(monkeypatch) -> tuple[PruningScheduler, list, dict]:
     monkeypatch.setattr(Scheduler, "add_request", lambda self, request: calls.append(request))
     scheduler = object.__new__(PruningScheduler)
     scheduler.max_num_scheduled_tokens, scheduler.max_num_encoder_input_tokens = 1000, 100
+    text = SimpleNamespace(max_position_embeddings=POSITIONS)
+    model = SimpleNamespace(max_model_len=MAX_MODEL_LEN, hf_text_config=text)
+    scheduler.vllm_config = SimpleNamespace(model_config=model)
     return scheduler, calls, cut
 
 
@@ -68,6 +88,27 @@ def test_a_pruned_request_skips_the_prefix_cache_from_its_arrival(bare):
         scheduler.add_request(request)
     assert calls == [PRUNED, UNPRUNED]
     assert PRUNED.skip_reading_prefix_cache and not UNPRUNED.skip_reading_prefix_cache
+
+
+def test_a_pruned_answer_ends_before_its_positions_leave_the_model(bare):
+    """A pruned request decodes at its original positions: its max_tokens is lowered to what its
+    unpruned prompt leaves of the larger of max_model_len and max_position_embeddings (at least 1), a
+    lower one kept, an unpruned request untouched; and max_model_len where it is the larger."""
+    scheduler, _, _ = bare
+    cases = [(pruned_stand_in(), 10**6, POSITIONS - UNPRUNED_PROMPT), (pruned_stand_in(), 5, 5)]
+    cases += [
+        (pruned_stand_in(POSITIONS), 10**6, 1),
+        (stand_in(feature(data={"pixel_values": 0})), 10**6, 10**6),
+    ]
+    for request, asked, served in cases:
+        request.max_tokens = asked
+        scheduler.add_request(request)
+        assert request.max_tokens == served
+    scheduler.vllm_config.model_config.hf_text_config.max_position_embeddings = MAX_MODEL_LEN - 50
+    request = pruned_stand_in()
+    request.max_tokens = 10**6
+    scheduler.add_request(request)
+    assert request.max_tokens == MAX_MODEL_LEN - UNPRUNED_PROMPT
 
 
 def test_a_chunk_ending_inside_a_pruned_prompt_is_not_scheduled(bare):

@@ -23,7 +23,13 @@ the plug-in's code. The hooks:
 * ``forward``: a step with a pruned prompt runs layers 0..L of that prompt whole (``prefill_step.py``),
   writes the kept tokens' keys/values of layers 0..L into its paged cache through vLLM's attention
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
-  original positions. Any other step is the stock forward.
+  original positions. Any other step is the stock forward. A step's model inputs may be longer than
+  the tokens it embedded: vLLM's GPU runners embed the scheduled ids, then hand the model the buffer
+  padded to a CUDA-graph size (V1: ``vllm/v1/worker/gpu_model_runner.py:3320-3331``; Model Runner V2:
+  ``vllm/v1/worker/gpu/model_states/default.py:104-130``, vLLM 0.33). The padding rows follow every
+  request's rows; they run with the rows vLLM computes, as rows of no request (vLLM's attention
+  computes and caches the step's ``num_actual_tokens`` only), and the hidden states returned keep the
+  padded length.
 
 Qwen3-VL's DeepStack features ride in each image's encoder rows (vLLM packs them there); a pruned step
 adds them to the outputs of the first decoder layers as vLLM's own forward does (``prefill_step.py``).
@@ -62,6 +68,7 @@ from priortr.integrations.vllm.processor import (
     ENCODED_KEY,
     KEPT_KEY,
     PROMPT_LENGTH_KEY,
+    UNPRUNED_LENGTH_KEY,
     embedded_tokens,
     served_config,
 )
@@ -129,6 +136,7 @@ class PruningModel:
         inside an unpruned image."""
         kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions
         kwargs.pop(ENCODED_KEY, None)  # N, read by the scheduler
+        kwargs.pop(UNPRUNED_LENGTH_KEY, None)  # read by the scheduler
         kept = kwargs.pop(KEPT_KEY, None)  # K per image, a host tensor (keep_on_cpu)
         embeddings = super().embed_multimodal(**kwargs)
         if kept is None:
@@ -199,8 +207,8 @@ class PruningModel:
         if step is None:
             layer_positions = positions[0] if self.linear_rope and positions.ndim == 2 else positions
             return super().forward(input_ids, layer_positions, intermediate_tensors, inputs_embeds, **kwargs)
-        if inputs_embeds is None or inputs_embeds.shape[0] != len(step.input_ids):
-            raise RuntimeError("priortr: the step's embeddings do not match the tokens embed_input_ids saw")
+        if inputs_embeds is None or inputs_embeds.shape[0] < len(step.input_ids):
+            raise RuntimeError("priortr: the step's embeddings are fewer than the tokens embed_input_ids saw")
         return self._pruned_forward(step, positions, inputs_embeds)
 
     @torch.no_grad()

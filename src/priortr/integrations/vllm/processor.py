@@ -47,6 +47,10 @@ KEPT_KEY = "priortr_kept"
 ENCODED_KEY = "priortr_encoded_tokens"
 """The field of a pruned request's image items that holds the image's N, the embeddings its encoder
 computes and the engine caches (it has K placeholders): the scheduler charges N (``scheduler.py``)."""
+UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
+"""The field of a pruned request's image items that holds the length of its prompt unpruned (N
+placeholders per image), read by the scheduler to end the answer before its positions leave the
+model's (``scheduler.py``): the request decodes at its original positions."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
@@ -158,8 +162,13 @@ class PruningProcessor:
         placeholders) by an image's hash, while K depends on the request: the same image kept at two
         counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
         So a pruned request is laid out first without vLLM's processor cache (which must see only what
-        reaches the engine), and then processed again with each image identified as (image, K, prompt
-        length): the image carries the prompt length and its K (``with_records``)."""
+        reaches the engine), and then processed again with each image identified as (image, N, the
+        fields that fix its encoder output's shape, K, prompt length, unpruned length): the image
+        carries both lengths and its K (``with_records``). N and those fields are in the identity
+        because a client's image ``uuid`` stands for the pixels and nothing else: two images of
+        different sizes sent under one uuid, at the same K and prompt length, must not share an encoder
+        output (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second
+        request meet the first image's N rows)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
         if engine is None:
@@ -178,18 +187,22 @@ class PruningProcessor:
         counts = image_counts(hf_config, config, laid_out, self.adjacent_images)
         if counts == tokens:
             return super().apply(inputs, timing_ctx)
-        length = len(laid_out["prompt_token_ids"]) - sum(tokens) + sum(counts)
+        unpruned = len(laid_out["prompt_token_ids"])
+        length = unpruned - sum(tokens) + sum(counts)
+        check_unpruned_length(unpruned, position_limit(self.info.ctx.model_config))
         check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
         identities = [
-            f"{image_hash}:priortr-kept-{kept}-prompt-{length}"
-            for image_hash, kept in zip(laid_out["mm_hashes"]["image"], counts, strict=True)
+            f"{image_hash}:priortr-{n}-tokens-{encoder_layout(item)}-kept-{kept}-prompt-{length}-of-{unpruned}"
+            for image_hash, n, item, kept in zip(
+                laid_out["mm_hashes"]["image"], tokens, laid_out["mm_kwargs"]["image"], counts, strict=True
+            )
         ]
         keyed = replace(inputs, mm_uuid_items={**(inputs.mm_uuid_items or {}), "image": identities})
         out = super().apply(keyed, timing_ctx)
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
         items = [
-            with_records(item, length, kept, encoded)
+            with_records(item, length, kept, encoded, unpruned)
             for item, kept, encoded in zip(out["mm_kwargs"]["image"], counts, tokens, strict=True)
         ]
         return {
@@ -213,6 +226,42 @@ def check_pixels(items: MultiModalDataItems) -> None:
         )
 
 
+def encoder_layout(item: MultiModalKwargsItem) -> str:
+    """What of an image's processed item, besides its pixels' values, fixes its encoder output's N and
+    grid: every tensor field's shape, and the values of its integer fields (Qwen's ``image_grid_thw``,
+    AnyRes ``image_sizes``, InternVL's ``image_num_patches``; Mistral 3's grid is its pixels' shape)."""
+    parts = []
+    for key in sorted(item):
+        data = item[key].data
+        if not isinstance(data, torch.Tensor):
+            continue
+        entry = f"{key}[{'x'.join(str(size) for size in data.shape)}]"
+        if not data.is_floating_point():
+            entry += "=" + ",".join(str(value) for value in data.flatten().tolist())
+        parts.append(entry)
+    return ";".join(parts)
+
+
+def position_limit(model_config: Any) -> int:
+    """The positions a served model places: ``max_model_len``, or its text config's
+    ``max_position_embeddings`` (the rows of its RoPE table) where that is more. A pruned request's
+    cache holds K per image, which vLLM counts against ``max_model_len``; its positions count N."""
+    table = getattr(model_config.hf_text_config, "max_position_embeddings", None) or 0
+    return max(model_config.max_model_len, table)
+
+
+def check_unpruned_length(unpruned: int, limit: int) -> None:
+    """Refuse a pruned prompt whose unpruned length (N placeholders per image) is more than the model
+    places (``position_limit``): its tokens keep their original positions, so it needs every position
+    its unpruned prompt has."""
+    if unpruned > limit:
+        raise ValueError(
+            f"priortr keeps a pruned prompt at its original positions, and this prompt is {unpruned} "
+            f"tokens unpruned where the model places {limit} (the larger of --max-model-len and the "
+            "model's max_position_embeddings); shorten the prompt or send fewer or smaller images"
+        )
+
+
 def check_step_limit(length: int, limit: int | None) -> None:
     """Refuse a pruned prompt of ``length`` tokens (K placeholders per image) that the engine cannot
     schedule in one step (``limit``, None where no config hook ran): its prefill is one step
@@ -227,15 +276,16 @@ def check_step_limit(length: int, limit: int | None) -> None:
 
 
 def with_records(
-    item: MultiModalKwargsItem | None, length: int, kept: int, encoded: int
+    item: MultiModalKwargsItem | None, length: int, kept: int, encoded: int, unpruned: int
 ) -> MultiModalKwargsItem | None:
-    """``item`` (an image of a pruned request) with the request's prompt length, the image's K and its
-    N (the ``encoded`` embeddings, which the scheduler charges) as three more fields.
+    """``item`` (an image of a pruned request) with the request's prompt length, the image's K, its N
+    (the ``encoded`` embeddings, which the scheduler charges) and the request's unpruned length (which
+    bounds its answer, ``scheduler.py``) as four more fields.
 
     vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
     asks the model for its positions again, so the prompt length cannot be read from the tokens.
     It rides on the image instead, which every cache keys by the image's identity; that identity
-    holds the length and K too, so requests that share a cached item share them. K tells
+    holds the lengths and K too, so requests that share a cached item share them. K tells
     ``embed_multimodal`` how many placeholders the image's encoder rows fill: adjacent images' K slots
     are one run of placeholders, which no count in the step separates. ``None`` (an item vLLM's
     processor cache already sent to the engine, which has it with these fields) stays None."""
@@ -243,7 +293,12 @@ def with_records(
         return None
     fields = {
         key: MultiModalFieldElem(data=torch.tensor(value), field=MultiModalBatchedField(keep_on_cpu=True))
-        for key, value in ((PROMPT_LENGTH_KEY, length), (KEPT_KEY, kept), (ENCODED_KEY, encoded))
+        for key, value in (
+            (PROMPT_LENGTH_KEY, length),
+            (KEPT_KEY, kept),
+            (ENCODED_KEY, encoded),
+            (UNPRUNED_LENGTH_KEY, unpruned),
+        )
     }
     return MultiModalKwargsItem({**item, **fields})
 

@@ -14,8 +14,17 @@ served exactly, so a pruned request (its images carry the recorded prompt length
   inside the prompt is not scheduled that step (vLLM's own answer when an image's encoder budget is
   spent), and the prompt waits for a step with room for it. The tokens after the prompt (a
   re-prefill's generated tokens) may follow in later chunks. The processor refuses a pruned prompt
-  longer than one step can hold
-  (``config_hooks.step_limit``).
+  longer than one step can hold (``config_hooks.step_limit``);
+* ends its answer (finish reason ``length``) before its original positions leave the model's: its
+  tokens sit at their original positions, ahead of its scheduled tokens by the tokens pruned, and
+  vLLM counts ``max_model_len`` on the scheduled tokens, so it would decode past the RoPE table
+  (``max_position_embeddings`` rows; on a GPU an index past it is a device-side assert that ends the
+  engine). When the request arrives its ``max_tokens`` is lowered to ``processor.position_limit``
+  (the larger of ``max_model_len`` and ``max_position_embeddings``) minus its unpruned length, at
+  least 1 (the processor refuses an unpruned prompt longer than that limit), which vLLM's
+  ``check_stop`` enforces (``vllm/v1/core/sched/utils.py:114-119``). With ``max_model_len`` at its
+  default, ``max_position_embeddings`` (``vllm/config/model.py:2545-2683``), the answer ends where the
+  unpruned request's would.
 
 Its blocks are still written to the prefix cache. Blocks of text before its first image hold what
 any request computes there and serve other requests' hits; a block holding a kept image token is
@@ -48,7 +57,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, UNPRUNED_LENGTH_KEY, position_limit
 
 
 def pruned(request: Any) -> bool:
@@ -60,8 +69,18 @@ def pruned(request: Any) -> bool:
     )
 
 
+def unpruned_length(request: Any) -> int:
+    """A pruned request's prompt length with every image whole, as the processor recorded it."""
+    (length,) = {
+        int(feature.data[UNPRUNED_LENGTH_KEY].data)
+        for feature in request.mm_features
+        if feature.modality == "image" and feature.data is not None and UNPRUNED_LENGTH_KEY in feature.data
+    }
+    return length
+
+
 class PruningScheduler(Scheduler):
-    """vLLM's scheduler with the two rules of the module docstring; built as ``PruningAsyncScheduler``
+    """vLLM's scheduler with the rules of the module docstring; built as ``PruningAsyncScheduler``
     when the engine runs vLLM's asynchronous scheduling (resolved after the config hooks run)."""
 
     def __new__(cls, *args: Any, vllm_config: Any = None, **kwargs: Any) -> Any:
@@ -84,6 +103,8 @@ class PruningScheduler(Scheduler):
     def add_request(self, request: Any) -> None:
         if pruned(request):
             request.skip_reading_prefix_cache = True
+            room = max(position_limit(self.vllm_config.model_config) - unpruned_length(request), 1)
+            request.max_tokens = min(request.max_tokens, room)
         super().add_request(request)
 
     def _try_schedule_encoder_inputs(
