@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor, StaticCache
 
 import priortr
 from priortr.engine.ledger import ATTRIBUTE, write_ledger
@@ -33,13 +33,21 @@ def llava():
     return tiny_llava()
 
 
+QUESTION_TOKENS = 3
+
+
 def first_turn(model, batch, cache: str = "dynamic"):
-    """Turn 1 under pruning: (its generate output, its kept tokens, the turn-2 conversation and mask)."""
+    """Turn 1 under pruning: (its generate output, its kept tokens, the turn-2 conversation and mask). A
+    static cache is sized for both turns, as a stock one must be: a pruned prefill leaves it the room the
+    stock cache would have for new tokens (its pruned tokens' slots go)."""
+    caching = {"cache_implementation": cache}
+    if cache == "static":
+        room = batch.seq_len + 2 * NEW_TOKENS + QUESTION_TOKENS
+        caching = {"past_key_values": StaticCache(config=model.config.get_text_config(), max_cache_len=room)}
     with priortr.apply(model, budget=BUDGET, layer=LAYER) as handle, torch.no_grad():
-        first = model.generate(
-            **batch.kwargs(), cache_implementation=cache, return_dict_in_generate=True, **GREEDY
-        )
-    question = torch.randint(3, 150, (batch.batch_size, 3), generator=torch.Generator().manual_seed(5))
+        first = model.generate(**batch.kwargs(), **caching, return_dict_in_generate=True, **GREEDY)
+    shape = (batch.batch_size, QUESTION_TOKENS)
+    question = torch.randint(3, 150, shape, generator=torch.Generator().manual_seed(5))
     history = torch.cat([first.sequences, question], dim=1)
     mask = torch.cat([batch.attention_mask, torch.ones_like(history[:, batch.seq_len :])], dim=1)
     return first, handle.last.kept, history, mask

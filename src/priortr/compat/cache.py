@@ -72,10 +72,26 @@ def _compact_static(layer: Any, index: torch.Tensor, seq_len: int) -> None:
 FULL_LENGTH = "_priortr_full_length"
 
 
+class ShrunkStaticLayer(StaticLayer):
+    """A ``StaticLayer`` that a pruned prefill shortened (``_shrink``): ``reset`` gives it its full length
+    back, so that a reset cache is a plain cache again for any model, the stock one included (generate()
+    resets a static cache it reuses). A direct subclass, so that a layer's class can be swapped in place;
+    module-level, so that it pickles."""
+
+    __slots__ = ()
+
+    def reset(self) -> None:
+        super().reset()
+        _restore(self)
+
+
 def _shrink(layer: Any, dropped: int) -> None:
     """A static full-attention layer of ``dropped`` fewer slots (its ``max_cache_len``, hence the keys every
     later call attends over); new zeroed storage at static addresses if it holds any, else its lazy
-    allocation will make the shorter one. ``restore_slots`` gives the layer its full length back."""
+    allocation will make the shorter one. ``reset`` (``ShrunkStaticLayer``, or the guarded first layer's)
+    and ``restore_slots`` give the layer its full length back."""
+    if type(layer) is StaticLayer:
+        layer.__class__ = ShrunkStaticLayer
     layer.__dict__.setdefault(FULL_LENGTH, layer.max_cache_len)
     layer.max_cache_len -= dropped
     if not layer.is_initialized:
@@ -91,10 +107,18 @@ def restore_slots(cache: Any) -> None:
     """Give the static layers a pruned prefill shortened (``_shrink``) their full length back, before a new
     prompt fills the (reset) cache: their storage is made anew, full-length, when they are next written."""
     for layer in key_value_layers(cache):
-        full = layer.__dict__.pop(FULL_LENGTH, None)
-        if full is not None:
-            layer.max_cache_len = full
-            layer.is_initialized = False
+        _restore(layer)
+
+
+def _restore(layer: Any) -> None:
+    """One layer's full length back (nothing for a layer no pruned prefill shortened); a plain
+    ``StaticLayer`` again."""
+    full = layer.__dict__.pop(FULL_LENGTH, None)
+    if full is not None:
+        layer.max_cache_len = full
+        layer.is_initialized = False
+    if type(layer) is ShrunkStaticLayer:
+        layer.__class__ = StaticLayer
 
 
 def _window_tail(
@@ -151,6 +175,7 @@ def _guarded(plain: type, name: str) -> type:
         def reset(self) -> None:
             """An emptied cache stands for no pruned prompt any more (static caches reused by generate())."""
             super().reset()
+            _restore(self)  # a static first layer a pruned prefill shortened: full again
             unguard(self)
 
     Guarded.__name__ = Guarded.__qualname__ = name
@@ -193,11 +218,13 @@ STATE_LAYERS = (LinearAttentionCacheLayerMixin,)
 nothing per token to remove. The state of a layer up to the scored one has absorbed every prompt token;
 that of a later layer only the kept ones, since its layer ran on them."""
 _PLAIN = {operations.guarded: plain for plain, operations in LAYER_OPERATIONS.items()}
+_BASE = {**_PLAIN, ShrunkStaticLayer: StaticLayer}
+"""The layer type whose ``LAYER_OPERATIONS`` apply to a guarded or shortened layer."""
 
 
 def _operations(layer: Any) -> LayerOperations | None:
     kind = type(layer)
-    return LAYER_OPERATIONS.get(_PLAIN.get(kind, kind))
+    return LAYER_OPERATIONS.get(_BASE.get(kind, kind))
 
 
 def layers(cache: Any) -> list:
