@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -157,6 +158,7 @@ def main() -> None:
     report = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "cpu": cpu_name(),
+        "cores": os.cpu_count(),
         "args": {key: str(value) for key, value in vars(args).items()},
         "runs": runs,
     }
@@ -170,9 +172,9 @@ def main() -> None:
 def markdown(report: dict) -> str:
     """The report as a markdown table, one row per arrival rate and mode."""
     lines = [
-        f"vLLM CPU build (enforce_eager, no CUDA graphs), {report['date']}, {report['cpu']}, 2 cores "
-        "shared with other work; median of the repeats [min, max]; * = repeats spread more than 10% "
-        "(noise-prone). Our CPU numbers, not a GPU's.",
+        f"vLLM CPU build (enforce_eager, no CUDA graphs), {report['date']}, {report['cpu']}, "
+        f"{report['cores']} cores shared with other work; median of the repeats [min, max]; "
+        "* = repeats spread more than 10% (noise-prone). Our CPU numbers, not a GPU's.",
         "",
         "| an image every | arriving | image requests | steps | pruned-path steps | share "
         "| text TPOT ms | vs none |",
