@@ -154,6 +154,7 @@ NAMES = [
     Name("vllm.config.scheduler", "SchedulerConfig.async_scheduling"),
     Name("vllm.config.scheduler", "SchedulerConfig.max_num_batched_tokens"),
     Name("vllm.config.scheduler", "SchedulerConfig.long_prefill_token_threshold"),
+    Name("vllm.config.scheduler", "SchedulerConfig.max_num_scheduled_tokens"),
     Name("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("vllm_config",)),
     Name("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("request",)),
     Name(

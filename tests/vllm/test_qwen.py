@@ -81,7 +81,9 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
     tokens each: vLLM preempts and later re-prefills prompt + generated tokens, in one step, or, with
     steps of 20 tokens, the prompt and the first generated tokens in one step and the rest in the
     next; the scores must use the prompt's rows only, as they did the first time. Prefix caching is
-    on: the re-prefill must not hit the request's own blocks either."""
+    on: the re-prefill must not hit the request's own blocks either. Two 56 x 56 images (4 tokens each)
+    make a prompt of 20 tokens whole, so that it fits a step of 20 (the processor refuses a longer one)
+    while a re-prefill of it with its generated tokens does not."""
     engine = LLM(
         model=str(qwen_dir),
         hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
@@ -102,7 +104,7 @@ def test_preemption_by_recompute_is_exact(qwen_dir, step, monkeypatch):
         return out
 
     monkeypatch.setattr(scheduler, "schedule", recording)
-    cases = [(TWO, [image(112, 20 + i), image(56, 30 + i)]) for i in range(4)]
+    cases = [(TWO, [image(56, 20 + i), image(56, 30 + i)]) for i in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs = engine.generate([vllm_request(*case) for case in cases], params, use_tqdm=False)
     stats = engine.llm_engine.get_metrics()

@@ -150,3 +150,31 @@ def test_identity_without_the_grid_is_caught(qwen, qwen_dir, monkeypatch):
     first, second = uuid_answers(qwen, GRIDS, ["no grid", "no grid"])
     assert first == hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[0]], QWEN, ANSWER_TOKENS)
     assert second != hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[1]], QWEN, ANSWER_TOKENS)
+
+
+def test_prompt_too_long_whole_is_refused_alone(qwen, qwen_dir):
+    """A prompt that fits a step pruned (text + K) but not whole (text + N; the step is 256 tokens) is
+    refused in the processor: layers 0..L run on it whole in one step, past the tokens vLLM's start-up
+    memory profile ran (on main it was served, alone in its step). The next request is served."""
+    tokenizer = qwen.get_tokenizer()
+    picture, tokens = image(112, 60), 16  # 8 x 8 patches, merged 2 x 2
+
+    def whole_length(question: str) -> int:
+        laid_out = tokenizer(f"USER: {QWEN_IMAGE} {question} ASSISTANT:", add_special_tokens=False)[
+            "input_ids"
+        ]
+        return len(laid_out) - 1 + tokens  # the one <|image_pad|> laid out as N
+
+    words = ["cat"]
+    while whole_length(" ".join(words)) <= ENGINE["max_num_batched_tokens"]:
+        words.append("cat")
+    question = " ".join(words)
+    assert whole_length(question) - tokens + QWEN["budget"] <= ENGINE["max_num_batched_tokens"]
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+    long = {"prompt": f"USER: {QWEN_IMAGE} {question} ASSISTANT:", "multi_modal_data": {"image": picture}}
+    with pytest.raises(ValueError, match="a step's memory was profiled for 256"):
+        qwen.generate([long], params, use_tqdm=False)
+    (after,) = qwen.generate([{"prompt": QWEN_PROMPT, "multi_modal_data": {"image": picture}}], params)
+    assert list(after.outputs[0].token_ids) == hf_tokens(
+        qwen_dir, QWEN_PROMPT, [picture], QWEN, ANSWER_TOKENS
+    )

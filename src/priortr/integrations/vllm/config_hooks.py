@@ -26,7 +26,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
 from priortr.integrations.vllm.guard import SettingsGuard
-from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, served_config
+from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_config
 
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
 """The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
@@ -48,6 +48,15 @@ def step_limit(scheduler_config: Any) -> int:
     limit = scheduler_config.max_num_batched_tokens
     threshold = scheduler_config.long_prefill_token_threshold
     return min(limit, threshold) if threshold > 0 else limit
+
+
+def whole_prompt_limit(scheduler_config: Any) -> int:
+    """The most tokens of whole (unpruned) prompts a step runs through layers 0..L: the scheduler's token
+    budget, ``max_num_scheduled_tokens`` where set, else ``max_num_batched_tokens`` (vLLM 0.33:
+    ``vllm/v1/core/sched/scheduler.py:139-143``), which is at most what the start-up memory profile runs
+    through every layer (``max_num_batched_tokens``)."""
+    scheduled = scheduler_config.max_num_scheduled_tokens
+    return scheduled if scheduled is not None else scheduler_config.max_num_batched_tokens
 
 
 def refusals(vllm_config: Any) -> list[str]:
@@ -196,6 +205,7 @@ class PruningConfigHook(VerifyAndUpdateConfig):
         if scheduler.scheduler_cls is None:
             scheduler.scheduler_cls = SCHEDULER
         setattr(vllm_config.model_config.hf_config, STEP_LIMIT_KEY, step_limit(scheduler))
+        setattr(vllm_config.model_config.hf_config, WHOLE_LIMIT_KEY, whole_prompt_limit(scheduler))
 
 
 class LinearRopeConfigHook(PruningConfigHook):

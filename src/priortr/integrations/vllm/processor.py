@@ -54,6 +54,10 @@ model's (``scheduler.py``): the request decodes at its original positions."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
+WHOLE_LIMIT_KEY = "priortr_whole_prompt_tokens"
+"""The model config's attribute holding the most tokens of whole (unpruned) prompts one step runs
+through layers 0..L, set by the config hook (``config_hooks.whole_prompt_limit``): the scheduler's
+token budget, which vLLM's start-up memory profile runs through every layer (``scheduler.py``)."""
 
 
 def served_config(hf_config: Any) -> PruningConfig | None:
@@ -191,6 +195,7 @@ class PruningProcessor:
         length = unpruned - sum(tokens) + sum(counts)
         check_unpruned_length(unpruned, position_limit(self.info.ctx.model_config))
         check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
+        check_whole_prompt_limit(unpruned, getattr(hf_config, WHOLE_LIMIT_KEY, None))
         identities = [
             f"{image_hash}:priortr-{n}-tokens-{encoder_layout(item)}-kept-{kept}-prompt-{length}-of-{unpruned}"
             for image_hash, n, item, kept in zip(
@@ -259,6 +264,22 @@ def check_unpruned_length(unpruned: int, limit: int) -> None:
             f"priortr keeps a pruned prompt at its original positions, and this prompt is {unpruned} "
             f"tokens unpruned where the model places {limit} (the larger of --max-model-len and the "
             "model's max_position_embeddings); shorten the prompt or send fewer or smaller images"
+        )
+
+
+def check_whole_prompt_limit(unpruned: int, limit: int | None) -> None:
+    """Refuse a pruned prompt whose unpruned length (N placeholders per image) is more than one step
+    runs of whole prompts (``limit``, None where no config hook ran): layers 0..L run on it whole, in
+    one step, and vLLM budgets GPU memory from a start-up profile of ``limit`` tokens through every layer
+    (vLLM 0.33: ``vllm/v1/worker/gpu_model_runner.py:524``, ``:6133``), so a longer one would run
+    where no memory was set aside for it. A smaller budget does not help: the whole prompt is N per
+    image whatever K."""
+    if limit is not None and unpruned > limit:
+        raise ValueError(
+            f"priortr runs a pruned prompt's first layers on the whole prompt in one engine step, and this "
+            f"prompt is {unpruned} tokens unpruned where a step's memory was profiled for {limit} "
+            "(--max-num-batched-tokens); raise --max-num-batched-tokens, send fewer or smaller images, or "
+            f'send the request with mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
         )
 
 

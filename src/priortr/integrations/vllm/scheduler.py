@@ -41,8 +41,8 @@ Two charges follow what a pruned prompt costs, not its K placeholders per image:
 * layers 0..L run on the whole prompt S = P + the images' N - K outside the step's token budget
   (``prefill_step.py``): the pruned prompts that start in one step hold at most
   ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``, the step the engine's memory profile
-  ran) of S together. A prompt longer than that on its own is scheduled alone (the first pruned prompt
-  of its step).
+  ran) of S together; the processor refuses a prompt whose S alone is more
+  (``processor.check_whole_prompt_limit``).
 
 vLLM's encoder cache manager is replaced by ``encoder_cache.PrunedEncoderCache``, which counts a pruned
 image at the N embeddings the plug-in stores (docs/serving.md, "What a pruned request is charged").
@@ -125,7 +125,7 @@ class PruningScheduler(Scheduler):
             return nothing
         starts = num_computed_tokens == 0 and pruned(request)
         whole = request.num_prompt_tokens + uncounted(request) if starts else 0  # S
-        if starts and self.pruned_tokens and self.pruned_tokens + whole > self.max_num_scheduled_tokens:
+        if starts and self.pruned_tokens + whole > self.max_num_scheduled_tokens:
             return nothing
         chosen = super()._try_schedule_encoder_inputs(
             request, num_computed_tokens, num_new_tokens, encoder_compute_budget, shift_computed_tokens
