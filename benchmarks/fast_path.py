@@ -30,7 +30,8 @@ from torch import nn
 
 import priortr
 from priortr.adapters import adapter_for
-from priortr.tools import overhead, timing
+from priortr.frontend import timing
+from priortr.tools import overhead
 from priortr.tools.bench import build_model
 from priortr.tools.families import dummy_inputs
 

@@ -22,9 +22,9 @@ import priortr
 from priortr.api import apply_defaults
 from priortr.cli import main
 from priortr.config_file import read_config, write_config
+from priortr.frontend.prompts import prompt_text
 from priortr.tools import calibrate, calibration_report
 from priortr.tools.flops import scheduled_prefill_flops
-from priortr.tools.prompts import prompt_text
 from tests.helpers.tiny import LLAVA_N_VISUAL
 
 PROMPTS = ["what is in the image", "describe this picture", "what color is the cat", "is the cat red"]
@@ -326,7 +326,7 @@ def scripted_timings(monkeypatch, model, timings: dict) -> None:
     """The language-model prefill times each configuration measures, in turn: keyed by
     (method, budget) of the pruning attached to ``model`` at the time (None: the unpruned model)."""
     from priortr import api
-    from priortr.tools import timing
+    from priortr.frontend import timing
 
     served = {key: itertools.cycle(values) for key, values in timings.items()}
 

@@ -20,7 +20,8 @@ from transformers import LlamaConfig
 
 import priortr
 from priortr.cli import arguments, build_parser, checks, main
-from priortr.tools import bench, loading
+from priortr.frontend import loading
+from priortr.tools import bench
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 
 PROMPT = ["--prompt", "what is in the image"]

@@ -23,8 +23,8 @@ from lmms_eval.api.instance import GenerationResult, Instance
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from priortr.frontend.prompts import prompt_text
 from priortr.integrations.lmms_eval.model import PADDING_KEY, PriorTRLMMs, cut_at_stop
-from priortr.tools.prompts import prompt_text
 from tests.helpers.lmms import BUDGET, N_VISUAL, TASK_DIR, lmms_eval_command
 from tests.helpers.lmms_task.utils import CHOICES, RECORDS, write_local_dataset
 

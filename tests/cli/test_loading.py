@@ -1,4 +1,4 @@
-"""``priortr.tools.loading``: the one way every front end loads a model, and its errors; the one budget
+"""``priortr.frontend.loading``: the one way every front end loads a model, and its errors; the one budget
 parser."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig
 
 from priortr.config_file import parse_budget
-from priortr.tools import loading
-from priortr.tools.prompts import prompt_text
+from priortr.frontend import loading
+from priortr.frontend.prompts import prompt_text
 from tests.helpers.checkpoint import save_tiny_llava_checkpoint
 
 

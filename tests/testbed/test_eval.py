@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from priortr import cli
+from priortr.frontend import loading
 from priortr.testbed import evaluate
 from priortr.testbed.data import Sample
 from priortr.testbed.evaluate import Cell, Report, first_word
-from priortr.tools import loading
 
 
 def sample(answer: str, kind: str = "colour") -> Sample:

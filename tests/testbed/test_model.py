@@ -12,9 +12,9 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 import priortr
 from priortr import cli
+from priortr.frontend.prompts import prompt_text
 from priortr.testbed import assemble, data, evaluate
 from priortr.testbed.architecture import GRID
-from priortr.tools.prompts import prompt_text
 
 pytestmark = pytest.mark.skipif(
     not assemble.WEIGHTS.is_file(), reason="the trained testbed parts are not in this checkout"

@@ -15,7 +15,7 @@ from PIL import Image
 
 from priortr import testbed
 from priortr.cli import main
-from priortr.tools import loading
+from priortr.frontend import loading
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "priortr"

@@ -1,6 +1,6 @@
 """Every ``priortr...`` name that README.md and docs/ use exists: each dotted name (``priortr.apply``,
-``priortr.engine.pools``, ``priortr.tools.loading.load``) and each ``from priortr... import a, b`` resolves,
-so a module that moves, or a public name that goes, takes its docs with it."""
+``priortr.engine.pools``, ``priortr.frontend.loading.load``) and each ``from priortr... import a, b``
+resolves, so a module that moves, or a public name that goes, takes its docs with it."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ ROOMS = {
     "cli",
     "testbed",
     "tools",
+    "frontend",
     "integrations",
 }
 CORE = ("__init__.py", "api.py", "config_file.py", "adapters", "engine", "methods", "compat", "tensors")
@@ -34,6 +35,7 @@ FORBIDDEN = (
     "priortr.integrations",
     "priortr.testbed",
     "priortr.tools",
+    "priortr.frontend",
 )
 FLOORS = {
     "tensors": 0,
@@ -45,6 +47,7 @@ FLOORS = {
     "api": 4,
     "__init__": 4,
     "tools": 5,
+    "frontend": 5,
     "integrations": 5,
     "cli": 5,
     "testbed": 5,

@@ -6,7 +6,7 @@ testbed.
 One module per command (``generate``, ``methods``, ``flops``, ``bench``, ``viz``, ``demo``, ``evaluate``
 for ``eval``, ``calibrate``, ``report``), each with ``add_parser``, ``check`` (its input, before any
 work) and ``run``; ``parser`` assembles them, ``arguments`` and ``checks`` hold what several share.
-All pruning logic lives in the Python API, and models load through ``priortr.tools.loading``.
+All pruning logic lives in the Python API, and models load through ``priortr.frontend.loading``.
 """
 
 from __future__ import annotations

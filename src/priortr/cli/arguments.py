@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from priortr.config_file import parse_budget
-from priortr.tools.loading import DTYPES
+from priortr.frontend.loading import DTYPES
 
 TESTBED = "testbed"  # --model name of the trained testbed (priortr.testbed), assembled on first use
 CONFIG_HELP = "a config file of priortr.apply keywords, e.g. recommended.json of `priortr calibrate`"

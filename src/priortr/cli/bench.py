@@ -11,7 +11,7 @@ from typing import Any
 
 from priortr.cli import arguments, checks
 from priortr.cli.arguments import nonnegative_int, positive_int
-from priortr.tools.loading import ATTENTION
+from priortr.frontend.loading import ATTENTION
 
 
 def add_parser(commands: Any) -> None:
@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import priortr
+    from priortr.frontend.loading import torch_dtype
     from priortr.tools import bench
     from priortr.tools.journal import Journal, finished_so_far, write_whole
-    from priortr.tools.loading import torch_dtype
 
     out = Path(args.out)
     settings = {

@@ -60,8 +60,9 @@ def add_parser(commands: Any) -> None:
 def check(args: argparse.Namespace) -> None:
     """The grid, the device, the output folder, every prompt (a testbed split resolved here, so the
     library receives plain prompts) and the model, before the model loads."""
-    from priortr.tools import calibrate, loading
-    from priortr.tools.prompts import check_prompt
+    from priortr.frontend import loading
+    from priortr.frontend.prompts import check_prompt
+    from priortr.tools import calibrate
 
     checks.distinct("--methods", args.methods)
     checks.distinct("--layers", args.layers)
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     """Without labels, how faithful each method x layer x budget stays to the unpruned model on your
     prompts (answer agreement, first-token KL) and what it saves (measured LM prefill speed-up, FLOPs);
     recommends per method the fastest configuration reaching --target and writes it as a config file."""
-    from priortr.tools import calibrate, calibration_report, loading
+    from priortr.frontend import loading
+    from priortr.tools import calibrate, calibration_report
 
     processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)
     result = calibrate.calibrate(

@@ -6,7 +6,8 @@ the last ``--methods`` entry or an unwritable ``--out`` costs a second, not the 
 are checked by ``priortr.apply`` itself, on a skeleton of the model built on the ``meta`` device from
 its config (no weights, no memory), so the command line accepts exactly what the Python API accepts. A
 bad value raises ``ValueError`` with one line naming the value and what is allowed; ``priortr.cli.main``
-prints it and exits 2. Model and device checks are ``priortr.tools.loading``'s, the ones every front end uses.
+prints it and exits 2. Model and device checks are ``priortr.frontend.loading``'s, the ones every front
+end uses.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from priortr.cli.arguments import TESTBED
-from priortr.tools import loading
+from priortr.frontend import loading
 
 if TYPE_CHECKING:
     from torch import nn
@@ -106,7 +107,7 @@ def one_image_model(args: argparse.Namespace) -> nn.Module:
     """Checks shared by generate and viz; returns the model's skeleton, sets ``args.source`` (the
     checkpoint directory or hub id), ``args.loaded_image`` and ``args.processor`` (loaded to check the
     prompt against its image placeholder before the weights load)."""
-    from priortr.tools.prompts import check_prompt
+    from priortr.frontend.prompts import check_prompt
 
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; ask a question about the image")

@@ -9,7 +9,7 @@ from typing import Any
 
 from priortr.cli import arguments, checks
 from priortr.cli.arguments import nonnegative_int, positive_int
-from priortr.tools import loading
+from priortr.frontend import loading
 
 
 def add_parser(commands: Any) -> None:

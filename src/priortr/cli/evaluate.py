@@ -42,8 +42,8 @@ def add_parser(commands: Any) -> None:
 
 def check(args: argparse.Namespace) -> None:
     checks.testbed()
+    from priortr.frontend import loading
     from priortr.testbed.evaluate import layer_for
-    from priortr.tools import loading
 
     args.options = None
     if args.config:
@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     """Accuracy on a named split for methods x budgets; writes every answer as it comes
     (``<split>.samples.jsonl``, read back by ``--resume``), then JSON, a markdown table and a retention
     plot."""
+    from priortr.frontend import loading
     from priortr.testbed import data, evaluate
-    from priortr.tools import loading
     from priortr.tools.journal import Journal, finished_so_far
 
     samples = data.load_split(args.split, args.limit)

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import priortr
-    from priortr.tools import loading, timing
-    from priortr.tools.prompts import chat_inputs
+    from priortr.frontend import loading, timing
+    from priortr.frontend.prompts import chat_inputs
 
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)
     processor, model = loading.load(args.source, args.dtype, args.device, processor=args.processor)

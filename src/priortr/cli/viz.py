@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     """Draw the prior Q, posterior P, score S and kept tokens over the image, one row per layer x budget
     (the paper's qualitative figure)."""
     from priortr.adapters import adapter_for
-    from priortr.tools import families, loading, viz
+    from priortr.frontend import loading
+    from priortr.tools import families, viz
 
     image = args.loaded_image
     log.info("loading %s (dtype %s) onto %s", args.model, args.dtype or "auto", args.device)

@@ -20,10 +20,11 @@ from typing import Any
 from priortr.adapters import adapter_for
 from priortr.api import apply_defaults
 from priortr.config_file import read_config
+from priortr.frontend import loading
 from priortr.testbed import assemble, scenes
 from priortr.testbed.data import Sample, scene_samples
 from priortr.testbed.evaluate import is_correct
-from priortr.tools import families, loading, viz
+from priortr.tools import families, viz
 from priortr.tools.bench import Spread
 from priortr.tools.calibrate import Calibrator, Prompt, Setting, Timing
 

@@ -22,11 +22,11 @@ from torch import nn
 from tqdm import tqdm
 
 from priortr.api import apply
+from priortr.frontend.prompts import prompt_text
 from priortr.methods import get_method
 from priortr.testbed import DEFAULT_BUDGETS, DEFAULT_METHODS, VANILLA
 from priortr.testbed.data import Sample, iter_images
 from priortr.tools.journal import Journal, write_whole
-from priortr.tools.prompts import prompt_text
 
 
 @dataclass

@@ -41,11 +41,11 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
+from priortr.frontend.prompts import check_text, prompt_text
 from priortr.methods import get_method
 from priortr.tools.bench import Spread, interleaved_lm_prefill, resolved
 from priortr.tools.flops import scheduled_prefill_flops
 from priortr.tools.journal import write_whole
-from priortr.tools.prompts import check_text, prompt_text
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import priortr
 from priortr.engine import plan as plan_module
+from priortr.frontend import timing
 from priortr.tensors import host as host_module
-from priortr.tools import timing
 
 VIEW_OPS = frozenset(
     {

@@ -20,8 +20,8 @@ from torch import nn
 
 from priortr.adapters import adapter_for
 from priortr.api import apply
+from priortr.frontend.prompts import chat_inputs
 from priortr.tools import families
-from priortr.tools.prompts import chat_inputs
 
 # Colour-bar labels of the score column, by rule; other rules get their name.
 SCORE_LABELS = {

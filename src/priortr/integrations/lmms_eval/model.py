@@ -4,9 +4,9 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=priortr,budget=64,layer=2 \\
         --tasks gqa --batch_size 8 --output_path results/
 
-The model is loaded by ``priortr.tools.loading.load`` (``AutoProcessor`` +
+The model is loaded by ``priortr.frontend.loading.load`` (``AutoProcessor`` +
 ``AutoModelForImageTextToText``, the CLI's loader and checks), prompts are built by
-``priortr.tools.prompts.prompt_text``, and ``priortr.apply`` is attached once; every request then runs
+``priortr.frontend.prompts.prompt_text``, and ``priortr.apply`` is attached once; every request then runs
 the stock ``generate()`` / forward call of the pruned model. Registered through the ``lmms_eval.models``
 entry point (``priortr.integrations.lmms_eval.manifest``). This module imports ``lmms_eval`` and is only
 imported by lmms-eval itself; ``import priortr`` does not import it.
@@ -59,11 +59,11 @@ from PIL import Image
 
 import priortr
 from priortr.config_file import parse_budget
+from priortr.frontend.loading import DTYPES, load
+from priortr.frontend.prompts import prompt_text
+from priortr.frontend.timing import Clock
 from priortr.integrations.lmms_eval.placement import placement
 from priortr.integrations.lmms_eval.stats import KeptStats, report_stats
-from priortr.tools.loading import DTYPES, load
-from priortr.tools.prompts import prompt_text
-from priortr.tools.timing import Clock
 
 # keys that lmms-eval itself may pass on top of --model_args (lmms.create_from_arg_string)
 _IGNORED_KWARGS = ("max_batch_size",)

@@ -1,4 +1,4 @@
-"""The one clock of the tools: named time marks, and the wall time of a model's forward calls.
+"""The one clock of the front ends and tools: named time marks, and the wall time of a model's forward calls.
 
 On a GPU the marks are CUDA events, recorded in the stream without synchronising inside the measured
 region (read once, at the end); on the CPU, where kernels run synchronously, a monotonic clock.
