@@ -1,5 +1,4 @@
-"""CLSE keeps the tokens its authors' code keeps, on LLaVA-1.5 (every stage) and Qwen2-VL (the first,
-spectral stage, and the schedule).
+"""CLSE keeps the tokens its authors' code keeps, at every stage, on LLaVA-1.5 and Qwen2-VL.
 
 Reference: CodeChildCZJ/PriorTR at e442a4c14af1b333067a6b8310c9111cad922033, restated here:
 
@@ -16,8 +15,10 @@ Reference: CodeChildCZJ/PriorTR at e442a4c14af1b333067a6b8310c9111cad922033, res
   score, the grid ``image_grid_thw[0][1:] // 2``, and ``_RATIO_DICT`` (0.112: int(N x 0.19 / 0.12 /
   0.034), at least 1).
 
-The library runs through ``priortr.apply(model, method="clse", budget=...)`` only; every stage's
-``handle.last.stages[i].kept`` is compared.
+The port runs the stock model's language model layer by layer (``tests/helpers/layerwise.py``, the
+kept tokens at their own positions, Qwen's M-RoPE ids included) and drops tokens where the authors'
+runners do. The library runs through ``priortr.apply(model, method="clse", budget=...)`` only; every
+stage's ``handle.last.stages[i].kept`` is compared.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch
 
 import priortr
 from tests.helpers.layerwise import input_embeddings, projections, run_layers
-from tests.helpers.tiny import llava_batch, qwen_batch, tiny_llava, tiny_qwen2_vl
+from tests.helpers.tiny import language_model_inputs, llava_batch, qwen_batch, tiny_llava, tiny_qwen2_vl
 
 LLAVA_DEPTH = 6  # the authors' prune layers [1, round(2.16), round(4.02)] = [1, 2, 4]: scored 0 / 1 / 3
+LLAVA_SCORED = [0, 1, 3]
 LLAVA_GRID = (24, 24)  # 168 px at 7 px patches: LLaVA-1.5's 576 tokens
 QWEN_GRID = (1, 24, 36)  # patches; merged 2 x 2: a 12 x 18 grid, 216 tokens
 
@@ -67,21 +69,30 @@ def authors_score(attn_row, z_ref, z_now, grid, spectral: bool = True) -> torch.
     return (evo * attn_row)[0]
 
 
-def official_llava(model, batch, keeps: list[int], grid=LLAVA_GRID, spectral: bool = True) -> list[list[int]]:
-    """The visual positions kept after each of the authors' three LLaVA stages (prune layers [1, 2, 4] of
-    6: after layers 0, 1 and 3)."""
+def official_stages(
+    model, batch, keeps: list[int], prune_after: list[int], grid, spectral: bool = True, rope=None
+) -> list[list[int]]:
+    """The visual positions kept after each of the authors' three stages, scored after the layers
+    ``prune_after`` (their prune layers minus one), as their runners drop them (``rope``: Qwen's
+    M-RoPE ids, as ``run_layers`` takes them)."""
     language_model = model.model.language_model
     layers = language_model.layers
     start, end = batch.image_start[0], batch.image_end[0]
     z_ref = input_embeddings(model, batch)[:, start:end]
-    prune_after = [0, 1, 3]
+    if rope is None:
+        rotary = language_model.rotary_emb
+    else:
+
+        def rotary(hidden, positions):
+            return language_model.rotary_emb(hidden, rope[..., positions[0]])
+
     stages: list[list[int]] = []
 
     def drop(index, hidden, layer_input, kept):
         if index not in prune_after:
             return None
         stage = prune_after.index(index)
-        queries, keys = projections(layers[index], layer_input, kept, language_model.rotary_emb)
+        queries, keys = projections(layers[index], layer_input, kept, rotary)
         logits = queries @ keys.transpose(-1, -2) / math.sqrt(queries.shape[-1])  # [H, S', S']
         causal = torch.ones(kept.numel(), kept.numel(), dtype=torch.bool).triu(1)
         weights = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
@@ -94,7 +105,7 @@ def official_llava(model, batch, keeps: list[int], grid=LLAVA_GRID, spectral: bo
         stages.append(kept[visual][top].tolist())
         return survivors
 
-    run_layers(model, batch, drop)
+    run_layers(model, batch, drop, rope)
     return stages
 
 
@@ -117,7 +128,7 @@ def test_llava_presets_keep_the_authors_tokens_at_every_stage(llava, seed):
         kept, layers = _library_stages(llava, batch, budget)
         assert layers == [0, 1, 3]
         assert [len(stage) for stage in kept] == keeps
-        assert kept == official_llava(llava, batch, keeps)
+        assert kept == official_stages(llava, batch, keeps, LLAVA_SCORED, LLAVA_GRID)
 
 
 def test_llava_without_the_spectral_factor_keeps_other_tokens(llava):
@@ -126,7 +137,10 @@ def test_llava_without_the_spectral_factor_keeps_other_tokens(llava):
     for seed in range(3):
         batch = llava_batch(llava, 1, seed=seed, text_after=(6,))
         kept, _ = _library_stages(llava, batch, 64)
-        differs += kept[0] != official_llava(llava, batch, [110, 70, 20], spectral=False)[0]
+        differs += (
+            kept[0]
+            != official_stages(llava, batch, [110, 70, 20], LLAVA_SCORED, LLAVA_GRID, spectral=False)[0]
+        )
     assert differs >= 1
 
 
@@ -135,42 +149,39 @@ def qwen():
     return tiny_qwen2_vl(attn="eager")
 
 
-def official_qwen_first_stage(model, batch, keep: int, grid) -> list[int]:
-    """The authors' Qwen2-VL first stage: the stock model's layer-0 attention, last row, head mean, and
-    the evolution factor between the input embeddings and layer 0's output on ``grid``."""
-    with torch.no_grad():
-        out = model(**batch.kwargs(), output_attentions=True, output_hidden_states=True)
-    start, end = batch.image_start[0], batch.image_end[0]
-    attn_row = out.attentions[0][0].mean(dim=0)[-1, start:end]
-    hidden = out.hidden_states
-    score = authors_score(attn_row, hidden[0][:, start:end], hidden[1][:, start:end], grid)
-    return (score.topk(keep).indices.sort().values + start).tolist()
+QWEN_SCORED = [0, 1, 2]  # 4 layers: the authors' [1, round(1.44), round(2.68)] = [1, 1, 3] made increasing
+QWEN_PRESETS = {0.112: (0.19, 0.12, 0.034), 0.223: (0.38, 0.24, 0.066), 0.334: (0.57, 0.36, 0.098)}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_qwen_ratio_presets_keep_the_authors_first_stage(qwen, seed):
+def test_qwen_ratio_presets_keep_the_authors_tokens_at_every_stage(qwen, seed):
     batch = qwen_batch(qwen, 1, QWEN_GRID, seed, text_after=(6,))
-    n_visual = 216
-    for ratio, shares in (
-        (0.112, (0.19, 0.12, 0.034)),
-        (0.223, (0.38, 0.24, 0.066)),
-        (0.334, (0.57, 0.36, 0.098)),
-    ):
+    n_visual = batch.image_end[0] - batch.image_start[0]
+    rope = rope_positions(qwen, batch)
+    for ratio, shares in QWEN_PRESETS.items():
         keeps = [max(1, int(n_visual * share)) for share in shares]
         kept, layers = _library_stages(qwen, batch, ratio)
-        assert layers == [0, 1, 2]  # 4 layers: the authors' [1, 1, 3] made increasing
+        assert layers == QWEN_SCORED
         assert [len(stage) for stage in kept] == keeps
-        assert kept[0] == official_qwen_first_stage(qwen, batch, keeps[0], (12, 18))
+        assert kept == official_stages(qwen, batch, keeps, QWEN_SCORED, (12, 18), rope=rope)
 
 
 def test_qwen_transposed_grid_keeps_other_tokens(qwen):
-    """Negative control: the authors' first stage on the transposed grid (18 x 12) differs."""
+    """Negative control: the authors' stages on the transposed grid (18 x 12) keep other tokens."""
     differs = 0
     for seed in range(3):
         batch = qwen_batch(qwen, 1, QWEN_GRID, seed, text_after=(6,))
         kept, _ = _library_stages(qwen, batch, 0.112)
-        differs += kept[0] != official_qwen_first_stage(qwen, batch, len(kept[0]), (18, 12))
+        keeps = [len(stage) for stage in kept]
+        rope = rope_positions(qwen, batch)
+        differs += kept[0] != official_stages(qwen, batch, keeps, QWEN_SCORED, (18, 12), rope=rope)[0]
     assert differs >= 1
+
+
+def rope_positions(model, batch) -> torch.Tensor:
+    """[3, 1, S] the M-RoPE ids the stock model gives its language model (the text row dropped)."""
+    positions = language_model_inputs(model, batch)["position_ids"]
+    return positions[1:] if positions.shape[0] == 4 else positions
 
 
 def test_a_count_budget_without_a_preset_follows_the_authors_fallback():

@@ -98,7 +98,8 @@ def high_frequency(tokens: torch.Tensor, grid: tuple[int, int], cutoff: float) -
     rows = torch.arange(height, device=tokens.device)[:, None] - height // 2
     cols = torch.arange(width, device=tokens.device)[None, :] - width // 2
     sigma = min(height // 2, width // 2) * cutoff
-    high_pass = 1 - torch.exp(-(rows**2 + cols**2).float() / (2 * sigma**2))  # [h, w]
+    distance = torch.sqrt((rows**2 + cols**2).float())  # squared back below, rounded as the authors'
+    high_pass = 1 - torch.exp(-(distance**2) / (2 * sigma**2))  # [h, w]
     filtered = torch.fft.ifftshift(spectrum * high_pass, dim=(-2, -1))
     return torch.fft.ifft2(filtered).abs().mean(dim=1).reshape(batch, n_tokens)
 
@@ -123,14 +124,20 @@ def spectral_scores(
 ) -> torch.Tensor:
     """The first stage's score [B, N]: ``attention`` [B, N] times the evolution factor of each image's
     tokens between ``reference`` and ``current`` [B, N, D] on its grid (images of one grid at a time)."""
-    factor = torch.empty_like(attention)
-    for grid in dict.fromkeys(grids):
-        height, width = grid
+    distinct = list(dict.fromkeys(grids))
+    for height, width in distinct:
         if height * width != current.shape[1] or min(height, width) < 2:
             raise ValueError(
                 f"clse needs each image's token grid (h, w) with h * w = N = {current.shape[1]} and "
-                f"h, w >= 2 (its high-pass filter has width min(h // 2, w // 2) x cutoff); got {grid}"
+                f"h, w >= 2 (its high-pass filter has width min(h // 2, w // 2) x cutoff); got "
+                f"{(height, width)}"
             )
+    if len(distinct) == 1:
+        before = high_frequency(reference, distinct[0], cutoff)
+        after = high_frequency(current, distinct[0], cutoff)
+        return evolution_factor(before, after, temperature).to(attention.dtype) * attention
+    factor = torch.empty_like(attention)
+    for grid in distinct:
         rows = [index for index, other in enumerate(grids) if other == grid]
         index = torch.tensor(rows, device=attention.device)
         before = high_frequency(reference.index_select(0, index), grid, cutoff)
