@@ -277,7 +277,8 @@ def check_grids(config: PruningConfig, adapter: FamilyAdapter) -> None:
         raise ValueError(
             f"{name} filters each image's tokens on its 2-D token grid, and the {adapter.name} adapter "
             "defines no grid for an image (its images are tiles or crops of several grids, or carry "
-            "extra tokens); use it on LLaVA-1.5 or Qwen2-VL / Qwen2.5-VL, or another method here"
+            "extra tokens); use it on LLaVA-1.5, Video-LLaVA images, Qwen2-VL / Qwen2.5-VL or GLM-4.1V, "
+            "or another method here"
         )
     if config.multi_image != "per_image":
         raise ValueError(f"{name} filters each image on its own grid; use multi_image='per_image'")
