@@ -113,8 +113,8 @@ class PruningConfig:
     def check_fits(self, adapter: FamilyAdapter, model: torch.nn.Module, n_layers: int) -> None:
         """Refuse a configuration ``model`` cannot run: evidence from a vision tower without a [CLS] token,
         an image's token grid from a family that defines none, stages while the model still adds visual
-        features to the hidden states (DeepStack), or attention
-        read at a layer without softmax attention."""
+        features to the hidden states (DeepStack), or attention read at a layer without softmax
+        attention."""
         if self.method.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
             raise ValueError(
                 f"{self.method.name} ranks by the vision tower's [CLS] attention, and this {adapter.name} "

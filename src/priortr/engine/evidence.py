@@ -44,7 +44,7 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
-from priortr.engine.config import VISION_NEEDS, PruningConfig
+from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
@@ -262,7 +262,7 @@ def embedding_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tens
 def grid_fields(sources: Sources, group: PoolGroup) -> dict[str, Any]:
     """Each pool's image grid (h, w) at the pool's first stage, None at its later ones (``grids``): the
     grid a stage's cut has thinned out is no longer whole."""
-    layer = sources.scored.index
+    layer = BEFORE_LLM if sources.scored is None else sources.scored.index
     return {"grids": tuple(pool.items[0].grid if layer == min(pool.stages) else None for pool in group.pools)}
 
 
