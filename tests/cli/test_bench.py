@@ -51,7 +51,7 @@ def report(config_dir):
     model = bench.build_model(str(config_dir), torch.device("cpu"), torch.float32)
     return bench.run_bench(
         model,
-        ["vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm"],
+        ["vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse"],
         [K],
         [1],
         layer=2,
@@ -69,8 +69,9 @@ def test_kv_cache_bytes_are_measured_and_exact(report):
     for case in pruned:
         assert case.kv_cache_bytes == case.kv_cache_expected_bytes
         # SparseVLM's published schedule, scaled to 8 layers, ends with 17 tokens for K = 64, and the
-        # authors' code recycles one cluster on top of them; VisionZip's [CLS] takes one of its K slots.
-        kept = {"sparsevlm": 18, "visionzip": K - 1}.get(case.method, K)
+        # authors' code recycles one cluster on top of them; VisionZip's [CLS] takes one of its K slots;
+        # CLSE's "64" keeps 110, 70, then 20.
+        kept = {"sparsevlm": 18, "visionzip": K - 1, "clse": 20}.get(case.method, K)
         assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + kept)
 
 
@@ -98,7 +99,7 @@ def test_reports_are_complete(report, tmp_path):
     assert table.count("\n| ") == 2 + len(report.cases)  # header, rule, one row per case
     assert "roofline limit" in table
     document = report.to_json()
-    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm"}
+    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse"}
     assert {row["method"] for row in document["cases"]} == methods
     assert document["ceilings"]["matmul_flops_per_s"] > 0 and document["meta"]["device_type"] == "cpu"
     bench.plot(report, tmp_path / "bench.png")

@@ -117,6 +117,15 @@ def test_kl_and_flops_match_a_hand_computation(loaded, folder: Path, tmp_path: P
     assert measured.flops_share == pytest.approx(share, rel=0.1)
 
 
+def test_clse_is_calibrated_on_its_schedule(loaded, folder: Path, tmp_path: Path) -> None:
+    """A three-stage method takes no layer; its FLOPs follow its stages (16 tokens at 8: 13, 8, 2)."""
+    setting = calibrate.Setting("clse", None, 8)
+    assert calibrate.grid(["clse"], [1, 2], [8]) == [setting]
+    measured = run_calibration(loaded, folder, tmp_path, [setting]).measurements[0]
+    assert measured.mean_kept == 2
+    assert 0 < measured.flops_share < 1
+
+
 def test_a_rerun_measures_only_new_configurations(loaded, folder: Path, tmp_path: Path, monkeypatch) -> None:
     first = calibrate.grid(["fastv"], [1], [8])
     run_calibration(loaded, folder, tmp_path, first)

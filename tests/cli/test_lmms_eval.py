@@ -261,6 +261,19 @@ def test_cut_at_stop() -> None:
     assert cut_at_stop("a b", [""]) == "a b"
 
 
+def test_clse_runs_its_three_stages_in_the_plugin(checkpoint: Path) -> None:
+    """``method=clse`` (a count budget names its schedule: 8 of 16 tokens keeps 13, 8, then 2)."""
+    lm = PriorTRLMMs(pretrained=str(checkpoint), method="clse", budget=8, dtype="float64", device="cpu")
+    lm.task_dict = {"local": {"test": _docs()}}
+    request = _instance(
+        "loglikelihood", ("what color is the image", " red", _doc_to_visual, 0, "local", "test"), 0
+    )
+    (result,) = lm.loglikelihood([request])
+    assert math.isfinite(result.text[0])
+    assert [stage.layer for stage in lm.handle.last.stages] == [0, 1, 2]
+    assert (lm.handle.last.kept >= 0).sum().item() == 2
+
+
 def test_unknown_model_arg_is_an_error(checkpoint: Path) -> None:
     with pytest.raises(TypeError, match=r"unknown model_args \['budgt'\]"):
         PriorTRLMMs(pretrained=str(checkpoint), budgt=4)

@@ -1,11 +1,12 @@
-"""Run a tiny LLaVA's language model one decoder layer at a time, dropping tokens between layers as the
-authors' code of an in-LLM pruning method does, so that tests can restate that code independently of
-the library's engine (tests/methods/test_official_*.py).
+"""Run a tiny LLaVA's (or Qwen-VL's) language model one decoder layer at a time, dropping tokens
+between layers as the authors' code of an in-LLM pruning method does, so that tests can restate that
+code independently of the library's engine (tests/methods/test_official_*.py).
 
 The language model is driven with its own modules (decoder layers, rotary embedding, norms) on the
-input embeddings the multimodal model builds; each kept token keeps its original RoPE position (the
-library's harness rule for every method, docs/methods.md). Needs an eager-attention float64 model, so
-the explicit additive causal mask is what every layer applies.
+input embeddings the multimodal model builds (with a Qwen-VL model's M-RoPE ids, when given); each kept
+token keeps its original RoPE position (the library's harness rule for every method, docs/methods.md).
+Needs an eager-attention float64 model, so the explicit additive causal mask is what every layer
+applies.
 """
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ positions to keep from now on, or None to keep all."""
 
 
 @torch.no_grad()
-def run_layers(model, batch: Batch, drop: Drop) -> list[torch.Tensor]:
+def run_layers(model, batch: Batch, drop: Drop, rope: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Run the language model layer by layer on batch row 0; after each layer ``drop`` may shorten the
-    sequence. Returns the kept positions after every layer."""
+    sequence. ``rope``: M-RoPE position ids [3, 1, S] of the prompt (Qwen-VL; None: 0 .. S-1).
+    Returns the kept positions after every layer."""
     language_model = model.model.language_model
     hidden = input_embeddings(model, batch)
     kept = torch.arange(hidden.shape[1])
     history = []
     for index, layer in enumerate(language_model.layers):
-        cos, sin = language_model.rotary_emb(hidden, kept[None])
+        cos, sin = language_model.rotary_emb(hidden, kept[None] if rope is None else rope[..., kept])
         layer_input = hidden
         hidden = layer(
             hidden,

@@ -211,9 +211,15 @@ methods score it there and methods that score several layers cannot run (refusal
 tests/families/test_local_and_linear_attention.py)."""
 
 
+GRID_FAMILIES = ("llava", "video-llava", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "glm4v")
+"""Families whose adapter lays an image's tokens on a grid (``token_grids``), for CLSE (the refusal
+elsewhere: tests/methods/test_methods_clse.py)."""
+
+
 def _cases() -> list[tuple[str, str]]:
     """Every method on every family that can run it: [CLS] methods need a tower with [CLS] (LLaVA,
-    Video-LLaVA images); Qwen3-VL refuses stages before its last DeepStack layer (tested below)."""
+    Video-LLaVA images), CLSE a token grid; Qwen3-VL refuses stages before its last DeepStack layer
+    (tested below)."""
     cases = []
     for method in priortr.available_methods():
         if method == "test-merge":
@@ -227,6 +233,7 @@ def _cases() -> list[tuple[str, str]]:
                 for f in FAMILIES
                 if not (f.startswith("qwen3-vl") and _first_layer(method) < DEEPSTACK - 1)
                 and not (f in HYBRID and info.where == "layers")
+                and ("grid" not in info.needs or f in GRID_FAMILIES)
             ]
         cases += [(family, method) for family in families]
     return cases

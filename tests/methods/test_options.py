@@ -30,6 +30,8 @@ ALTERNATIVES: dict[str, list[object]] = {
     "step": [2],
     "image_pivots": [2],
     "text_pivots": [1],
+    "cutoff": [0.3],
+    "temperature": [1.0],
 }
 CASES = [(method, {}) for method in priortr.available_methods()] + [
     (method, {knob: value})
@@ -54,6 +56,8 @@ BAD_VALUES: dict[str, tuple[object, str]] = {
     "step": (2.5, "must be an int >= 1, got 2.5"),
     "image_pivots": (0, "must be an int >= 1, got 0"),
     "text_pivots": (-1, "must be an int >= 0, got -1"),
+    "cutoff": (0, "must be a positive number; got 0"),
+    "temperature": (float("nan"), "must be a positive number; got nan"),
 }
 BAD_CASES = [
     (method, knob) for method in priortr.available_methods() for knob in priortr.get_method(method).knobs

@@ -348,6 +348,7 @@ def test_stock_model_is_untouched(llava_dir):
     [
         ({"method": "visionzip"}, "before the language model"),
         ({"method": "pdrop"}, "several decoder layers"),
+        ({"method": "clse"}, "several decoder layers"),
         ({"method": "dart"}, "final_norm, keys evidence"),
         ({"method": "priortr+merge"}, "merge tokens"),
         ({"method": "priortr", "layer": 3}, r"layer must be an int in \[0, 2\]"),

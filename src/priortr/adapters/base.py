@@ -7,7 +7,9 @@ owns every tensor operation; adding a family means a new adapter module, never a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,12 +50,15 @@ class VisualItem:
     need not be one run (Idefics3 interleaves sub-image markers). ``separator`` is the absolute
     position of the item's prior slot, the paper's "null" token right after it (Appendix A.3); it may
     equal the prompt length when the item ends the prompt (methods that need it then refuse).
+    ``grid`` (h, w) lays the item's tokens out row-major on the image's token grid, set by
+    ``FamilyAdapter.item_grids`` for methods that read it (CLSE); None otherwise.
     """
 
     row: int
     positions: torch.Tensor
     separator: int
     modality: str = "image"
+    grid: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -100,6 +105,7 @@ class FamilyAdapter:
         ``attention_layers``: the decoder layers with softmax attention, when not every layer has it.
         ``injected_layers``: the leading layers that take visual features on their output (DeepStack).
         ``vision_probe``: the vision tower's [CLS] attention, for methods that rank by it.
+        ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it.
         ``vision_modules``: the first and last modules of the image path, for timing it.
     """
 
@@ -155,6 +161,17 @@ class FamilyAdapter:
                     positions = torch.arange(start, end, device=input_ids.device)
                     items.append(VisualItem(row, positions, end, modality))
         return sorted(items, key=lambda item: (item.row, int(item.positions[0])))
+
+    token_grids: bool = False
+    """Whether ``item_grids`` can lay an image's tokens out on a 2-D grid (h, w)."""
+
+    def item_grids(
+        self, model_config, items: list[VisualItem], arguments: Mapping[str, Any]
+    ) -> list[VisualItem]:
+        """``items`` with each image's token grid (``VisualItem.grid``), from the model's config and the
+        arguments of its call (``arguments``: Qwen's ``image_grid_thw``). Raises ValueError naming what
+        is missing where an item has no grid (a video, a family without ``token_grids``)."""
+        raise ValueError(f"the {self.name} adapter defines no token grid for an image")
 
     def injected_layers(self, model: nn.Module) -> int:
         """How many leading decoder layers have visual features added to their output (DeepStack).

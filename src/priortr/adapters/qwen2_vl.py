@@ -2,16 +2,50 @@
 ``<|vision_end|>``; the separator is ``<|vision_end|>``. Positions are M-RoPE: ``generate()`` passes
 ``[4, B, S]`` ids (row 0 text positions, rows 1-3 temporal/height/width)."""
 
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
 import torch
 from torch import nn
 
-from priortr.adapters.base import FamilyAdapter
+from priortr.adapters.base import FamilyAdapter, VisualItem
 
 
 class QwenVLAdapter(FamilyAdapter):
     name = "qwen2-vl"
     model_types = ("qwen2_vl", "qwen2_5_vl")
     separator_token = "<|vision_end|>"
+    token_grids = True
+
+    def item_grids(
+        self, model_config, items: list[VisualItem], arguments: Mapping[str, Any]
+    ) -> list[VisualItem]:
+        """Every image on its merged patch grid, (h // m, w // m) of its row of ``image_grid_thw``
+        (images in batch and prompt order, m the vision config's ``spatial_merge_size``): the merged
+        tokens come row-major, as their M-RoPE height and width ids say. Videos are refused."""
+        grids = arguments.get("image_grid_thw")
+        images = [item for item in items if item.modality == "image"]
+        if len(images) != len(items):
+            raise ValueError(
+                "a method that filters on the token grid takes images only; this prompt has a video"
+            )
+        if grids is None or len(grids) != len(images):
+            found = "no image_grid_thw" if grids is None else f"{len(grids)} rows of image_grid_thw"
+            raise ValueError(
+                f"the call has {found} for its {len(images)} images, so their token grids are unknown"
+            )
+        merge = model_config.vision_config.spatial_merge_size
+        out = []
+        for item, (frames, height, width) in zip(items, grids.tolist(), strict=True):
+            grid = (height // merge, width // merge)
+            if frames != 1 or grid[0] * grid[1] != item.size:
+                raise ValueError(
+                    f"an image of {item.size} tokens has image_grid_thw ({frames}, {height}, {width}), which "
+                    f"does not lay them out on one {grid[0]} x {grid[1]} grid"
+                )
+            out.append(replace(item, grid=grid))
+        return out
 
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_token_id, "video": config.video_token_id}

@@ -112,14 +112,17 @@ class PruningConfig:
 
     def check_fits(self, adapter: FamilyAdapter, model: torch.nn.Module, n_layers: int) -> None:
         """Refuse a configuration ``model`` cannot run: evidence from a vision tower without a [CLS] token,
-        stages while the model still adds visual features to the hidden states (DeepStack), or attention
-        read at a layer without softmax attention."""
+        an image's token grid from a family that defines none, stages while the model still adds visual
+        features to the hidden states (DeepStack), or attention read at a layer without softmax
+        attention."""
         if self.method.needs & VISION_NEEDS and adapter.vision_probe(model) is None:
             raise ValueError(
                 f"{self.method.name} ranks by the vision tower's [CLS] attention, and this {adapter.name} "
                 "model's vision tower has no [CLS] token; use a method that needs none (divprune, dart, "
                 "or an in-LLM method)"
             )
+        if "grid" in self.method.needs:
+            check_grids(self, adapter)
         check_injection(self, adapter.injected_layers(model), n_layers)
         _check_scored_layers(self, adapter.attention_layers(model), n_layers)
 
@@ -141,6 +144,8 @@ class PruningConfig:
             return [(layer, count(budget)) for layer, budget in self.stages]
         kept = count(self.budget)
         if self.method.schedule is not None:
+            if self.method.schedule_ratio and isinstance(self.budget, float):
+                return self.method.schedule(self.budget, n_visual, n_layers)
             return self.method.schedule(kept, n_visual, n_layers)
         return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
 
@@ -262,6 +267,21 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[
     if info.check_knobs is not None:
         info.check_knobs(**{**info.knobs, **options})
     return options
+
+
+def check_grids(config: PruningConfig, adapter: FamilyAdapter) -> None:
+    """Refuse a method that reads each image's token grid (CLSE's 2-D FFT) where there is none: a family
+    whose adapter defines no grid (``FamilyAdapter.token_grids``), or images ranked together."""
+    name = config.method.name
+    if not adapter.token_grids:
+        raise ValueError(
+            f"{name} filters each image's tokens on its 2-D token grid, and the {adapter.name} adapter "
+            "defines no grid for an image (its images are tiles or crops of several grids, or carry "
+            "extra tokens); use it on LLaVA-1.5, Video-LLaVA images, Qwen2-VL / Qwen2.5-VL or GLM-4.1V, "
+            "or another method here"
+        )
+    if config.multi_image != "per_image":
+        raise ValueError(f"{name} filters each image on its own grid; use multi_image='per_image'")
 
 
 def check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:

@@ -14,6 +14,8 @@ of evidence (``GATHERERS``): a new kind of evidence is one new gatherer and its 
   the tower ran.
 * input embeddings (``input_embeddings``): the hidden states that entered decoder layer 0 (SparseVLM's
   raters weigh the prompt's text against the image there).
+* token grids (``grid``): each image's grid (h, w), from the plan's items (``adapter.item_grids``), at the
+  image's first stage (CLSE's spectral term).
 
 Pools with the same size and budget at a stage form one ``PoolGroup`` (``priortr.engine.stage.groups``):
 one selector call ranks them all.
@@ -42,7 +44,7 @@ from priortr.adapters import FamilyAdapter
 from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
-from priortr.engine.config import VISION_NEEDS, PruningConfig
+from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
@@ -257,11 +259,19 @@ def embedding_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tens
     }
 
 
+def grid_fields(sources: Sources, group: PoolGroup) -> dict[str, Any]:
+    """Each pool's image grid (h, w) at the pool's first stage, None at its later ones (``grids``): the
+    grid a stage's cut has thinned out is no longer whole."""
+    layer = BEFORE_LLM if sources.scored is None else sources.scored.index
+    return {"grids": tuple(pool.items[0].grid if layer == min(pool.stages) else None for pool in group.pools)}
+
+
 GATHERERS: dict[frozenset[str], Gatherer] = {
     frozenset({"attention", "next_attention"}): attention_fields,
     frozenset({"keys", "final_norm"}): token_fields,
     VISION_NEEDS: vision_fields,
     frozenset({"input_embeddings"}): embedding_fields,
+    frozenset({"grid"}): grid_fields,
 }
 """Each kind of evidence: the needs that ask for it, and its gatherer."""
 

@@ -10,8 +10,9 @@ here, so the stages issue their device work without reading anything back from t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -106,7 +107,9 @@ def make_plan(
     batch, seq = input_ids.shape
     valid = compat.masks.padding(call.attention_mask, batch, seq, input_ids.device)  # [B, S] bool
     text_positions = adapter.text_positions(model, call.position_ids)
-    plan = plan_prefill(adapter, model.config, config, input_ids, valid, n_layers, text_positions)
+    plan = plan_prefill(
+        adapter, model.config, config, input_ids, valid, n_layers, text_positions, arguments=call.arguments
+    )
     if plan is None:
         return skip_prefill(config, "the prompt has no image tokens")
     return plan
@@ -122,14 +125,17 @@ def plan_prefill(
     text_positions: torch.Tensor | None = None,
     counts: Sequence[int] | None = None,
     device: torch.device | None = None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> PrefillPlan | None:
     """The plan of a prefill of ``input_ids`` with padding mask ``valid`` [B, S], or None when the prompt
     has no image tokens: every front end (``priortr.apply``'s hooks, the vLLM plug-in's step) makes its
     plan here, and only here. ``text_positions`` [B or 1, S] number the prompt (None: ``0 .. S-1``);
-    ``counts`` as for ``plan_on_host``; ``device``: the model's (None: ``input_ids``')."""
+    ``counts`` and ``arguments`` as for ``plan_on_host``; ``device``: the model's (None: ``input_ids``')."""
     batch, seq = input_ids.shape
     device = input_ids.device if device is None else device
-    host = plan_on_host(adapter, model_config, config, *to_host(input_ids, valid), n_layers, counts)
+    host = plan_on_host(
+        adapter, model_config, config, *to_host(input_ids, valid), n_layers, counts, arguments
+    )
     if host is None:
         return None
     pools, visual, valid, text_rows, rows_of_pools = _on_device(host, valid, device)
@@ -211,16 +217,20 @@ def plan_on_host(
     valid: torch.Tensor,
     n_layers: int,
     counts: Sequence[int] | None = None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> HostPlan | None:
     """Images, pools, stages and attention rows from host copies of the prompt ``input_ids`` and its
     padding mask ``valid`` [B, S]; None when the prompt has no image tokens.
 
     ``counts`` fixes the tokens each pool keeps at ``config.layer`` (one stage), in pool order, for a
     caller that laid out that many slots per image already (the vLLM plug-in's prompts); None plans
-    them from ``config``'s budget."""
+    them from ``config``'s budget. ``arguments`` are the model call's (its images' grids, for a method
+    that reads them: ``adapter.item_grids``)."""
     items = adapter.visual_items(model_config, input_ids)
     if not items:
         return None
+    if "grid" in config.method.needs:
+        items = adapter.item_grids(model_config, items, arguments or {})
     batch, seq = input_ids.shape
     visual = torch.zeros(batch, seq, dtype=torch.bool)
     for item in items:

@@ -11,6 +11,7 @@ imported here.
 
 from priortr.methods import (  # noqa: F401  (registration)
     ablations,
+    clse,
     dart,
     divprune,
     fastv,

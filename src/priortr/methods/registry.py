@@ -35,13 +35,15 @@ NEEDS = (
     "keys",
     "final_norm",
     "input_embeddings",
+    "grid",
 )
 
 Selector = Callable[..., Selection]
 Rule = Callable[[Evidence], torch.Tensor]
 """A scoring rule: evidence -> scores [B, N] float32, higher = keep."""
 Schedule = Callable[[int, int, int], list[tuple[int, int]]]
-"""(K, N, n_layers) -> [(0-indexed scored layer, visual tokens kept after it), ...]."""
+"""(K, N, n_layers) -> [(0-indexed scored layer, visual tokens kept after it), ...]; K is the ratio
+itself, a float, for a ratio budget of a method registered with ``schedule_ratio=True``."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,12 @@ class MethodInfo:
             keys of the visual tokens and of the text rows, and the tokens' prompt positions),
             ``final_norm`` (the scored layer's output through the language model's final norm, visual
             tokens and text rows), ``input_embeddings`` (the text rows' and the image's input
-            embeddings, as they enter decoder layer 0); ``StageInputs`` documents the fields.
+            embeddings, as they enter decoder layer 0), ``grid`` (each image's token grid (h, w) at its
+            first stage, from the adapter's ``item_grids``); ``StageInputs`` documents the fields.
         summary, source: one line each for ``priortr methods`` and docs/methods.md.
         schedule: the stages of a ``layers`` method; None runs one stage.
+        schedule_ratio: whether ``schedule`` takes a ratio budget as given (a float in (0, 1)) rather
+            than the count it resolves to (CLSE's ratio presets are fractions of each image's tokens).
         rule: the scoring rule of a top-K method registered with :func:`register_rule`, else None.
         layer: the scored layer of a ``layer`` method when the caller names none (its paper's setting);
             None: the library's ``DEFAULT_LAYER``.
@@ -81,6 +86,7 @@ class MethodInfo:
     summary: str
     source: str
     schedule: Schedule | None = None
+    schedule_ratio: bool = False
     rule: Rule | None = None
     layer: int | None = None
     check_knobs: Callable[..., None] | None = None
@@ -117,11 +123,13 @@ def register_method(
     summary: str,
     source: str,
     schedule: Schedule | None = None,
+    schedule_ratio: bool = False,
     layer: int | None = None,
     check_knobs: Callable[..., None] | None = None,
 ) -> Callable[[Selector], Selector]:
     """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError.
-    ``layer``: a ``layer`` method's default scored layer (``MethodInfo.layer``); ``check_knobs``: the
+    ``schedule_ratio``: ``MethodInfo.schedule_ratio``; ``layer``: a ``layer`` method's default scored
+    layer (``MethodInfo.layer``); ``check_knobs``: the
     check of its knobs' values (``MethodInfo.check_knobs``); without one, a selector with knobs checks
     their values when it first runs."""
     if where not in WHERE:
@@ -133,6 +141,8 @@ def register_method(
         raise ValueError("a 'layers' method needs a schedule, and only a 'layers' method has one")
     if layer is not None and where != "layer":
         raise ValueError("only a 'layer' method has a default layer")
+    if schedule_ratio and schedule is None:
+        raise ValueError("schedule_ratio=True needs a schedule")
 
     def decorator(fn: Selector) -> Selector:
         _add(
@@ -144,6 +154,7 @@ def register_method(
                 summary,
                 source,
                 schedule,
+                schedule_ratio=schedule_ratio,
                 layer=layer,
                 check_knobs=check_knobs,
             )

@@ -54,6 +54,8 @@ class StageInputs:
         vision_keys_last: [B, N, C] that layer's keys, heads concatenated.
         vision_features: [B, N, C] the vision tower's features before the projector (the projector
             maps them to ``hidden`` at a stage before the LLM).
+        grids: per image, its token grid (h, w) (N = h w, row-major) at the image's first stage, None
+            at later stages (methods that declare ``grid``: CLSE's spectral term).
         seed: seed for any randomness (random baselines, K-means initialisation).
     """
 
@@ -76,6 +78,7 @@ class StageInputs:
     vision_cls_last: torch.Tensor | None = None
     vision_keys_last: torch.Tensor | None = None
     vision_features: torch.Tensor | None = None
+    grids: tuple[tuple[int, int] | None, ...] | None = None
     seed: int = 0
 
     @property
