@@ -120,9 +120,8 @@ def _qwen(
     )
 
 
-def _internvl(fixture: str, large: Callable[[int], Image.Image], tokens: int) -> Family:
-    """56x56: one tile, 16 tokens; ``large`` one of ``tokens`` (112x56: two crops and the thumbnail, 48;
-    112x112: four crops and the thumbnail, 80)."""
+def _internvl(fixture: str) -> Family:
+    """56x56: one tile, 16 tokens; 112x56: two crops and the thumbnail, 48."""
     return Family(
         fixture,
         "InternVLForConditionalGeneration",
@@ -131,9 +130,9 @@ def _internvl(fixture: str, large: Callable[[int], Image.Image], tokens: int) ->
         INTERNVL_ONE,
         INTERNVL_TWO,
         sized(56),
-        large,
+        sized(112, 56),
         wide=12,
-        lengths=(9 + 8, 12 + 8, 12 + 12, 9 + tokens, 9),
+        lengths=(9 + 8, 12 + 8, 12 + 12, 9 + 48, 9),
         limits={"image": 2, "video": 0},
         layouts=((0, 1, (198, *[199] * 8, 197)),),  # <img> K x <IMG_CONTEXT> </img>
     )
@@ -183,9 +182,8 @@ FAMILIES = {
     "qwen3-vl-moe": _qwen(
         "qwen3_vl_moe_dir", "Qwen3VLMoeForConditionalGeneration", models.PruningQwen3VLMoe, 64, 128
     ),
-    "internvl": _internvl("internvl_dir", sized(112, 56), 48),
-    # a Qwen3 text model: q/k norms in the scored attention
-    "internvl3.5": _internvl("internvl3_5_dir", sized(112), 80),
+    "internvl": _internvl("internvl_dir"),
+    "internvl3.5": _internvl("internvl3_5_dir"),  # a Qwen3 text model: q/k norms in the scored attention
     "llava-onevision": _anyres(
         "onevision_dir",
         "LlavaOnevisionForConditionalGeneration",

@@ -5,7 +5,8 @@ norms before RoPE in the scored attention), and the prompt shrinking InternVL's 
 
 vLLM's placeholder range of an image spans ``<img> ... </img>`` with an ``is_embed`` mask on the
 ``<IMG_CONTEXT>`` tokens; the two markers stay text. The tiny checkpoint's tiles are 56 px and 16 tokens:
-a 56x56 image is one tile (16 tokens), 112x56 two crops and a thumbnail (48).
+a 56x56 image is one tile (16 tokens), 112x56 two crops and a thumbnail (48), 112x112 four crops and
+a thumbnail (80).
 """
 
 from __future__ import annotations
@@ -14,11 +15,21 @@ import torch
 from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm.processor import embedded_tokens, shrink_prompt
-from tests.vllm.family_contract import FamilyContract
+from tests.vllm.family_contract import INTERNVL_ONE, INTERNVL_TWO, FamilyContract, answers, expected
+from tests.vllm.harness import generate
+from tests.vllm.reference import image
 
 
 class TestInternVL(FamilyContract):
     family = "internvl"
+
+    def test_four_crops_and_the_thumbnail(self, llm, row, path):
+        """A 112x112 image (four crops and the thumbnail, 80 tokens: the contract's images are 16 and 48),
+        alone and sharing the budget with a tile, answers as apply does."""
+        cases = [(INTERNVL_ONE, [image(112, 0)], None), (INTERNVL_TWO, [image(112, 1), image(56, 2)], None)]
+        outs = generate(llm, cases)
+        assert answers(outs) == [expected(row, path, case) for case in cases]
+        assert [len(out.prompt_token_ids) for out in outs] == [9 + 8, 12 + 8]
 
 
 class TestInternVL3_5(FamilyContract):
