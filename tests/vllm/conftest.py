@@ -20,6 +20,23 @@ else:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "last_in_class: runs after the other tests of its class (family_contract.py)"
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked ``last_in_class`` starts and deletes an engine of its own, which tears down vLLM's
+    process groups that its class's shared engine needs: it moves behind the rest of its class (a
+    subclass's own tests are collected after the ones it inherits)."""
+    for item in [item for item in items if item.get_closest_marker("last_in_class")]:
+        items.remove(item)
+        end = max(index for index, other in enumerate(items) if other.parent is item.parent)
+        items.insert(end + 1, item)
+
+
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
