@@ -2,13 +2,13 @@
 
 vLLM's processor lays out N placeholder tokens per image; the scheduler then reserves KV-cache slots
 for every one. For a pruned request this processor keeps only the K the image will keep after the
-scored layer (its share of the request's budget, planned by the library's own ``plan_on_host``, which
-also refuses a prompt the method cannot score, e.g. an image with no instruction after it), so the
-paged cache of every layer holds text + K tokens per image. The N encoder rows still reach the model
-(``models.py`` packs them), which computes layers 0..L on all of them once and keeps K. Tokens of an
-image's placeholder range that take no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and
-``</img>``, Mistral 3's row breaks and end marker) are text to the library and stay in the prompt
-(``shrink_prompt``).
+scored layer (its share of the request's budget, planned by the library's own planner through the
+engine's front door, ``priortr.engine.front_door.kept_runs``, which also refuses a prompt the method
+cannot score, e.g. an image with no instruction after it), so the paged cache of every layer holds
+text + K tokens per image. The N encoder rows still reach the model (``models.py`` packs them), which
+computes layers 0..L on all of them once and keeps K. Tokens of an image's placeholder range that take
+no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and ``</img>``, Mistral 3's row breaks and
+end marker) are text to the library and stay in the prompt (``shrink_prompt``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
-from priortr.engine.plan import plan_on_host
+from priortr.engine.front_door import kept_runs
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     check_request_kwargs,
@@ -66,23 +66,6 @@ def served_config(hf_config: Any) -> PruningConfig | None:
     if settings is None:
         return None
     return engine_config(settings, hf_config.get_text_config().num_hidden_layers)
-
-
-def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> list[tuple[int, int, int]]:
-    """The items ``priortr.apply`` prunes in ``prompt`` (every image laid out with its N placeholders,
-    prompt order), each as (the prompt index of its first visual token, its visual tokens, how many it
-    keeps after the scored layer under ``config``); raises the library's ValueError for a prompt that
-    cannot be scored. Images with no text between them are one item (one run of placeholders, one
-    budget, one separator)."""
-    ids = torch.tensor([prompt])
-    adapter = adapter_for_type(hf_config.model_type)
-    n_layers = hf_config.get_text_config().num_hidden_layers
-    host = plan_on_host(adapter, hf_config, config, ids, torch.ones_like(ids, dtype=torch.bool), n_layers)
-    if host is None:
-        return []
-    return [
-        (int(pool.positions[0]), pool.size, min(pool.stages[config.layer], pool.size)) for pool in host.pools
-    ]
 
 
 def embedded_tokens(span: PlaceholderRange) -> tuple[int, int]:
@@ -351,7 +334,8 @@ def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent:
     by_offset = sorted(range(len(images)), key=lambda i: spans[i][0])
     in_order = [0] * len(images)
     pending = iter(by_offset)
-    for start, size, kept in kept_counts(hf_config, config, laid_out["prompt_token_ids"]):
+    adapter = adapter_for_type(hf_config.model_type)
+    for start, size, kept in kept_runs(adapter, hf_config, config, laid_out["prompt_token_ids"]):
         run: list[int] = []
         for i in pending:
             run.append(i)
