@@ -53,6 +53,10 @@ FLOORS = {
     "testbed": 5,
 }
 """Each room's floor: a module imports from its own floor and those below it, never from one above."""
+ENGINE_DOORS = frozenset({"priortr.engine.front_door", "priortr.engine.config"})
+"""The engine modules ``integrations/`` may import: the front door, and ``PruningConfig``'s module (the
+checked settings every front end shares); never the engine's internals (its plan, stage, state,
+evidence, attention...)."""
 
 
 def _modules(room: str) -> list[Path]:
@@ -115,6 +119,18 @@ def _upward(graph: dict[str, set[str]]) -> set[str]:
         for module, edges in graph.items()
         for imported in edges
         if FLOORS[_room(imported)] > FLOORS[_room(module)]
+    }
+
+
+def _past_the_door(graph: dict[str, set[str]]) -> set[str]:
+    """``importer -> imported`` for every import of an engine module other than ``ENGINE_DOORS`` from
+    ``integrations/``."""
+    return {
+        f"{module} -> {imported}"
+        for module, edges in graph.items()
+        if _room(module) == "integrations"
+        for imported in edges
+        if _room(imported) == "engine" and imported not in ENGINE_DOORS
     }
 
 
@@ -193,6 +209,43 @@ def test_the_negative_controls_find_an_upward_import_and_a_cycle(tmp_path):
     assert _upward(graph) == {"priortr.tensors.rope -> priortr.engine.stage"}
     assert _cycles(graph) == [["priortr.engine.plan", "priortr.engine.stage", "priortr.engine.plan"]]
     assert "priortr.compat" in graph["priortr.engine.plan"]
+
+
+def test_integrations_reach_the_engine_through_its_front_door():
+    """``integrations/`` (the vLLM plug-in runs the layers itself) reach the engine through
+    ``engine/front_door.py`` and the config type only."""
+    graph = _graph(PACKAGE)
+    assert any(_room(module) == "integrations" and ENGINE_DOORS & edges for module, edges in graph.items())
+    assert not _past_the_door(graph)
+
+
+def test_the_negative_control_finds_an_integration_past_the_front_door(tmp_path):
+    package = tmp_path / "priortr"
+    (package / "engine").mkdir(parents=True)
+    (package / "integrations" / "vllm").mkdir(parents=True)
+    for path in (
+        "__init__.py",
+        "engine/__init__.py",
+        "integrations/__init__.py",
+        "integrations/vllm/__init__.py",
+    ):
+        (package / path).write_text("")
+    internals = ("attention", "evidence", "plan", "stage", "state")
+    for name in (*internals, "front_door", "config"):
+        (package / "engine" / f"{name}.py").write_text("")
+    (package / "integrations" / "vllm" / "step.py").write_text(
+        "from priortr.engine.attention import RowSpec\n"
+        "from priortr.engine import evidence\n"
+        "import priortr.engine.plan\n"
+        "from priortr.engine.front_door import kept_columns\n"
+        "from priortr.engine.config import PruningConfig\n"
+        "def run():\n"
+        "    from priortr.engine.stage import run_stage\n"
+        "    from priortr.engine.state import StageState\n"
+    )
+    assert _past_the_door(_graph(package)) == {
+        f"priortr.integrations.vllm.step -> priortr.engine.{name}" for name in internals
+    }
 
 
 def test_pruning_a_model_loads_no_tool():

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import torch
 from vllm import SamplingParams
 
-from priortr.integrations.vllm import models, positions, prefill_step
+from priortr.engine import front_door
+from priortr.integrations.vllm import models, positions
 from tests.vllm.reference import vllm_request
 
 Name = TypeVar("Name", bound=Hashable)
@@ -83,7 +84,7 @@ def split_run_budget(monkeypatch: Any, sizes: Sequence[int], shares: Sequence[in
     """Fault: a run of adjacent images of ``sizes`` tokens keeps ``shares[i]`` of image ``i``'s tokens,
     each image's best by the scores the stage ranked the run by, instead of the run's best under its
     one budget (``sum(shares)``)."""
-    original = prefill_step.run_stage
+    original = front_door.run_stage  # the stage core, as the step reaches it through the front door
 
     def per_image(layer: int, sources: Any, hidden: torch.Tensor) -> Any:
         outcome = original(layer, sources, hidden)
@@ -102,4 +103,4 @@ def split_run_budget(monkeypatch: Any, sizes: Sequence[int], shares: Sequence[in
         survivors = keep.nonzero()[:, 0]
         return SimpleNamespace(state=SimpleNamespace(sequence=SimpleNamespace(positions=survivors[None])))
 
-    monkeypatch.setattr(prefill_step, "run_stage", per_image)
+    monkeypatch.setattr(front_door, "run_stage", per_image)

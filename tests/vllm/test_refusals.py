@@ -20,10 +20,10 @@ from priortr.integrations.vllm.config_hooks import (
     unserved_hook,
 )
 from priortr.integrations.vllm.decoder import check_backend
-from priortr.integrations.vllm.processor import STEP_LIMIT_KEY
 from priortr.integrations.vllm.registration import UNSERVED
 from priortr.integrations.vllm.scheduler import PruningScheduler
 from priortr.integrations.vllm.settings import (
+    STEP_LIMIT_KEY,
     RequestPolicy,
     check_request_kwargs,
     check_request_media,

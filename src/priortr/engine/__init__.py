@@ -1,7 +1,10 @@
-"""The pruning engine: the only code that touches hidden states, masks, positions and the KV cache.
+"""The pruning engine: the library's surgery on a Hugging Face model's hidden states, masks, positions
+and KV cache, and the one stage core every front end runs.
 
-It attaches PyTorch module hooks to a stock transformers model (no copied modeling code). Its parts,
-in the order a prefill meets them:
+It attaches PyTorch module hooks to a stock transformers model (no copied modeling code). A front end
+that runs the decoder layers itself reaches it through ``front_door`` alone (the vLLM plug-in, which
+runs layers 0..L of a pruned prompt and writes the kept tokens' keys and values into vLLM's paged cache
+itself: ``kept_runs``, ``kept_columns``). Its parts, in the order a prefill meets them:
 
 * ``hooks``: the wiring. One permanent pre-hook on the multimodal model; per-layer hooks are armed for
   a pruned prefill only, so decode steps run none.
@@ -9,7 +12,8 @@ in the order a prefill meets them:
   the attention rows to recompute) by its one constructor, and frozen.
 * ``prefill``: the stages, between decoder layers, and their record.
 * ``stage``: one stage, values in and values out (gather evidence -> select -> cut), the core the vLLM
-  plug-in runs too; ``state``: what the stages so far left (pools, sequence map).
+  plug-in runs too (through ``front_door``); ``state``: what the stages so far left (pools, sequence
+  map).
 * ``evidence``: what a selector sees (``StageInputs``): recomputed attention rows (Q, P, last row),
   hidden states, the vision tower's [CLS] attention, keys and features (``VISION_NEEDS``).
 * ``cut``: new hidden states, pools and sequence map of the kept tokens, the KV cache compacted;

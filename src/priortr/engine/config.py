@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from priortr.methods import MethodInfo, get_method
@@ -48,7 +50,8 @@ class PruningConfig:
     ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1"). A method
     that prunes before the language model or on its own schedule has no layer (None).
     ``stages`` replaces the method's schedule by explicit (scored layer, budget) pairs, the budgets
-    counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs.
+    counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs
+    (read-only: a configuration is frozen, and the vLLM plug-in shares one across requests).
     ``posterior_rows`` chooses the rows averaged into P (``POSTERIOR_ROWS``): the separator and every
     prompt token after it (default, the paper's j >= i_e), the tokens after it only, the separator to
     the token before the last (the authors' Qwen code), or the last prompt token only.
@@ -63,7 +66,7 @@ class PruningConfig:
     budget: int | float
     layer: int | None
     stages: tuple[tuple[int, int | float], ...] | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=partial(MappingProxyType, {}))
     heads: str = "mean"
     posterior_rows: str = "from_separator"
     separator_offset: int = 0
@@ -256,7 +259,8 @@ def _check_stages(
     return stages
 
 
-def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[str, Any]:
+def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The method's knobs ``options`` checked, as a read-only copy (the configuration is frozen)."""
     if options is not None and not isinstance(options, Mapping):
         raise ValueError(f"options must be a dict of the method's knobs by name; got {options!r}")
     options = dict(options or {})
@@ -266,7 +270,7 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> dict[
         raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
     if info.check_knobs is not None:
         info.check_knobs(**{**info.knobs, **options})
-    return options
+    return MappingProxyType(options)
 
 
 def check_grids(config: PruningConfig, adapter: FamilyAdapter) -> None:

@@ -117,9 +117,9 @@ class Sources:
 
     ``hidden`` [B, S', D] enters the layer after the scored one (``next_layer``, whose prompt RoPE is
     ``rope``); ``window`` and ``next_window`` are the local windows of those two layers. ``embeddings``
-    [B, S, D] entered decoder layer 0, when the method reads them. ``attention`` holds the recomputed
-    text rows, passed in by a caller that prepared them itself (vLLM); None: prepared when a group first
-    reads them (``text_attention``).
+    [B, S, D] entered decoder layer 0, when the method reads them. The recomputed text rows are
+    prepared when a group first reads them (``text_attention``); a front end that ran the scored layer
+    itself gives them instead (``priortr.engine.front_door``).
     """
 
     plan: PrefillPlan
@@ -135,7 +135,6 @@ class Sources:
     vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None = None
     final_norm: torch.nn.Module | None = None
     embeddings: torch.Tensor | None = None
-    attention: RowAttention | None = None
 
     @property
     def sequence(self) -> SequenceMap:
@@ -144,10 +143,8 @@ class Sources:
 
     @cached_property
     def text_attention(self) -> RowAttention:
-        """The recomputed text rows: given, or at the scored layer (``attention``) or the layer after it
+        """The recomputed text rows at the scored layer (``attention``) or the layer after it
         (``next_attention``), prepared once for every group of the stage."""
-        if self.attention is not None:
-            return self.attention
         if "attention" in self.config.method.needs:
             return attention_at_layer(self)
         return next_layer_attention(self)

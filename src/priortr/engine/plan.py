@@ -19,7 +19,7 @@ import torch
 from priortr import compat
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig, PruningSkippedWarning
-from priortr.engine.pools import TENSOR_FIELDS, Pool, make_pools
+from priortr.engine.pools import TENSOR_FIELDS, Pool, group_items, make_pools
 from priortr.tensors.host import to_device_once, to_host
 
 ROW_EVIDENCE = frozenset({"attention", "next_attention", "keys", "final_norm"})
@@ -73,7 +73,7 @@ class PrefillPlan:
     text_positions: torch.Tensor
     padded: bool
     text_rows: torch.Tensor | None = None
-    pool_rows: list[PoolRows] | None = None
+    pool_rows: tuple[PoolRows, ...] | None = None
     window_start: torch.Tensor | None = None
 
     @property
@@ -166,7 +166,7 @@ def plan_prefill(
 
 def _on_device(
     host: HostPlan, valid: torch.Tensor, device: torch.device
-) -> tuple[tuple[Pool, ...], torch.Tensor, torch.Tensor, torch.Tensor | None, list[PoolRows] | None]:
+) -> tuple[tuple[Pool, ...], torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[PoolRows, ...] | None]:
     """The host plan's tensors on ``device`` in one queued copy (``to_device_once``): pools, visual flags,
     padding mask (copied only when it is not there already), text rows and each pool's rows."""
     copy_valid = not _on(valid, torch.device(device))
@@ -184,10 +184,10 @@ def _on_device(
     text_rows = None if host.text_rows is None else next(moved)
     rows_of_pools = None
     if host.pool_rows is not None:
-        rows_of_pools = [
+        rows_of_pools = tuple(
             replace(rows, prior=next(moved), posterior=next(moved), after=next(moved), last_index=next(moved))
             for rows in host.pool_rows
-        ]
+        )
     return pools, visual, valid, text_rows, rows_of_pools
 
 
@@ -200,13 +200,13 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 class HostPlan:
     """The part of a plan computed from the host copy of the prompt (see ``PrefillPlan``)."""
 
-    pools: list[Pool]
+    pools: tuple[Pool, ...]
     stages: tuple[int, ...]
     visual: torch.Tensor
     text_tokens: list[int]
     padded: bool
     text_rows: torch.Tensor | None = None
-    pool_rows: list[PoolRows] | None = None
+    pool_rows: tuple[PoolRows, ...] | None = None
 
 
 def plan_on_host(
@@ -235,24 +235,18 @@ def plan_on_host(
     visual = torch.zeros(batch, seq, dtype=torch.bool)
     for item in items:
         visual[item.row, item.positions] = True
+    groups = group_items(items, config.multi_image)
     if counts is None:
-        pools = make_pools(
-            items,
-            lambda n, part: config.schedule(n, n_layers, part),
-            config.multi_image,
-            config.separator_offset,
-        )
+        stages = [config.schedule(group.size, n_layers, group.part) for group in groups]
     else:
-        fixed = iter(counts)
-        pools = make_pools(
-            items, lambda n, part: [(config.layer, next(fixed))], config.multi_image, config.separator_offset
-        )
+        stages = [[(config.layer, count)] for count in counts]
+    pools = make_pools(groups, stages, config.separator_offset)
     text_rows, rows_of_pools = None, None
     if config.method.needs & ROW_EVIDENCE:
         text_rows, rows_of_pools = _lay_out_rows(pools, visual, valid, config, adapter.separator_token)
     n_visual, n_valid = torch.stack([visual.sum(dim=1), valid.sum(dim=1)]).tolist()  # [B] each, one read
     return HostPlan(
-        pools=pools,
+        pools=tuple(pools),
         stages=tuple(sorted({layer for pool in pools for layer in pool.stages})),
         visual=visual,
         text_tokens=[seq - count for count in n_visual],
@@ -272,7 +266,7 @@ def skip_prefill(config: PruningConfig, reason: str) -> None:
 
 def _lay_out_rows(
     pools: list[Pool], visual: torch.Tensor, valid: torch.Tensor, config: PruningConfig, separator_token: str
-) -> tuple[torch.Tensor, list[PoolRows]]:
+) -> tuple[torch.Tensor, tuple[PoolRows, ...]]:
     """The recomputed text rows [B, R] of every batch row, and where each pool's evidence sits among them."""
     batch, seq = visual.shape
     first = [seq] * batch
@@ -285,7 +279,7 @@ def _lay_out_rows(
     text_rows = torch.zeros(batch, width, dtype=torch.long)
     for b, row in enumerate(rows):
         text_rows[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return text_rows, [pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in pools]
+    return text_rows, tuple(pool_rows(pool, rows[pool.row], width, config.posterior_rows) for pool in pools)
 
 
 def pool_rows(pool: Pool, rows: list[int], width: int, posterior_rows: str) -> PoolRows:

@@ -10,8 +10,9 @@ budget. A ratio budget is the same ratio of every pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -25,7 +26,8 @@ class Pool:
 
     ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
     position, which of ``items`` it belongs to, and its index among that item's tokens (which the
-    vision tower's outputs are indexed by). ``stages`` maps a scored layer to the tokens kept after it.
+    vision tower's outputs are indexed by). ``stages`` maps a scored layer to the tokens kept after it
+    (read-only: the plan is frozen).
     ``row_index`` [1] is ``row`` as a tensor beside the others, so that a stage indexes the batch by
     it without making a tensor from host data.
     """
@@ -33,7 +35,7 @@ class Pool:
     row: int
     items: tuple[VisualItem, ...]
     separators: tuple[int, ...]  # absolute prior slot of each item
-    stages: dict[int, int]
+    stages: Mapping[int, int]
     positions: torch.Tensor
     item_of: torch.Tensor
     offset: torch.Tensor
@@ -48,44 +50,64 @@ class Pool:
         return replace(self, positions=positions, item_of=item_of, offset=offset)
 
 
-def make_pools(
-    items: Sequence[VisualItem],
-    schedule: Callable[[int, tuple[int, int] | None], list[tuple[int, int]]],
-    multi_image: str,
-    separator_offset: int,
-) -> list[Pool]:
-    """Group ``items`` (prompt order) into pools, each with its stages.
+@dataclass(frozen=True)
+class ItemGroup:
+    """Items of one row that one pool ranks together (prompt order), and their share of the row:
+    ``part`` = (the row's visual tokens before them, all of them) when the row holds several groups,
+    which splits a count budget over them in proportion to their sizes (None: the row's only group)."""
 
-    ``schedule(n, part)`` returns the (layer, kept) stages of a pool of ``n`` tokens; ``part`` is
-    (tokens of the row's items before it, the row's visual tokens) when a count budget is split.
-    """
+    row: int
+    items: tuple[VisualItem, ...]
+    part: tuple[int, int] | None
+
+    @property
+    def size(self) -> int:
+        return sum(item.size for item in self.items)
+
+
+def group_items(items: Sequence[VisualItem], multi_image: str) -> list[ItemGroup]:
+    """Group ``items`` (prompt order) into what each pool will rank: an item each (``per_image``), or all
+    of a row's items together (``global``)."""
     rows: dict[int, list[VisualItem]] = {}
     for item in items:
         rows.setdefault(item.row, []).append(item)
-    pools = []
+    out = []
     for row, row_items in rows.items():
         groups = [row_items] if multi_image == "global" else [[item] for item in row_items]
         total = sum(item.size for item in row_items)
         before = 0
         for group in groups:
-            size = sum(item.size for item in group)
             part = None if len(groups) == 1 else (before, total)
-            before += size
-            device = group[0].positions.device
-            pools.append(
-                Pool(
-                    row=row,
-                    items=tuple(group),
-                    separators=tuple(item.separator + separator_offset for item in group),
-                    stages=dict(schedule(size, part)),
-                    positions=torch.cat([item.positions for item in group]),
-                    item_of=torch.cat(
-                        [torch.full((item.size,), i, device=device) for i, item in enumerate(group)]
-                    ),
-                    offset=torch.cat([torch.arange(item.size, device=device) for item in group]),
-                    row_index=torch.tensor([row], device=device),
-                )
+            before += sum(item.size for item in group)
+            out.append(ItemGroup(row, tuple(group), part))
+    return out
+
+
+def make_pools(
+    groups: Sequence[ItemGroup], stages: Sequence[Sequence[tuple[int, int]]], separator_offset: int
+) -> list[Pool]:
+    """The pool of each of ``groups``, with its (scored layer, tokens kept after it) ``stages`` (aligned
+    with ``groups``); a pool's prior slot is each item's separator moved by ``separator_offset``."""
+    if len(stages) != len(groups):
+        raise ValueError(f"{len(stages)} schedules for {len(groups)} pools; pass one schedule per pool")
+    pools = []
+    for group, schedule in zip(groups, stages, strict=True):
+        items = group.items
+        device = items[0].positions.device
+        pools.append(
+            Pool(
+                row=group.row,
+                items=items,
+                separators=tuple(item.separator + separator_offset for item in items),
+                stages=MappingProxyType(dict(schedule)),
+                positions=torch.cat([item.positions for item in items]),
+                item_of=torch.cat(
+                    [torch.full((item.size,), i, device=device) for i, item in enumerate(items)]
+                ),
+                offset=torch.cat([torch.arange(item.size, device=device) for item in items]),
+                row_index=torch.tensor([group.row], device=device),
             )
+        )
     return pools
 
 

@@ -26,7 +26,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
 from priortr.integrations.vllm.guard import SettingsGuard
-from priortr.integrations.vllm.processor import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_config
+from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
 
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
 """The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
@@ -188,12 +188,12 @@ class PruningConfigHook(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_model_config(cls, model_config: Any) -> None:
         hf_config = model_config.hf_config
-        if served_config(hf_config) is not None and cls.linear_rope:
+        if served_settings(hf_config) is not None and cls.linear_rope:
             hf_config.mrope_section = LINEAR_ROPE_CHANNELS
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
-        if served_config(vllm_config.model_config.hf_config) is None:
+        if served_settings(vllm_config.model_config.hf_config) is None:
             return
         problems = refusals(vllm_config)
         if problems:
@@ -220,10 +220,10 @@ class DeepStackConfigHook(PruningConfigHook):
     def verify_and_update_config(vllm_config: Any) -> None:
         PruningConfigHook.verify_and_update_config(vllm_config)
         hf_config = vllm_config.model_config.hf_config
-        config = served_config(hf_config)
-        if config is not None:
+        served = served_settings(hf_config)
+        if served is not None:
             n_layers = hf_config.get_text_config().num_hidden_layers
-            check_injection(config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
+            check_injection(served.config, deepstack_layers(hf_config.vision_config, n_layers), n_layers)
 
 
 class UnservedFamilyHook(SettingsGuard):
@@ -288,7 +288,7 @@ class MoeDeepStackConfigHook(DeepStackConfigHook):
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
-        if served_config(vllm_config.model_config.hf_config) is None:
+        if served_settings(vllm_config.model_config.hf_config) is None:
             return
         problems = moe_refusals(vllm_config)
         if problems:

@@ -70,8 +70,8 @@ from priortr.integrations.vllm.processor import (
     PROMPT_LENGTH_KEY,
     UNPRUNED_LENGTH_KEY,
     embedded_tokens,
-    served_config,
 )
+from priortr.integrations.vllm.settings import served_settings
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -114,14 +114,14 @@ class PruningModel:
     def __new__(cls, *args: Any, vllm_config: Any = None, prefix: str = "", **kwargs: Any) -> Any:
         """vLLM's own class for a config without priortr settings; called without a config (copying,
         unpickling), a bare instance as ``object.__new__`` makes it."""
-        if vllm_config is not None and served_config(vllm_config.model_config.hf_config) is None:
+        if vllm_config is not None and served_settings(vllm_config.model_config.hf_config) is None:
             return cls.stock(vllm_config=vllm_config, prefix=prefix)
         return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         hf_config = vllm_config.model_config.hf_config
-        self.priortr = served_config(hf_config)
+        self.priortr = served_settings(hf_config).config
         self._step: StepInputs | None = None
         self._hf_config = hf_config
         self._adapter = adapter_for_type(hf_config.model_type)

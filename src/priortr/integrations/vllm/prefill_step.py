@@ -3,11 +3,10 @@ whole, score with the library's method, keep K tokens per image.
 
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
-through layers 0..L once, as one causal sequence outside the paged cache; the prompt is planned by the
-library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's attention rows
-(``priortr.engine.evidence.RowAttention``, a chunk of rows at a time) feed the stage core
-``priortr.apply`` runs
-(``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
+through layers 0..L once, as one causal sequence outside the paged cache; layer L's queries, keys and
+output go through the engine's front door (``priortr.engine.front_door.kept_columns``), which plans the
+prompt with the library's own constructor and runs the stage core ``priortr.apply`` runs (the same
+evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
 (Mistral 3's row breaks) is scheduled right after the image's K slots (``processor.shrink_prompt``) and
@@ -27,12 +26,8 @@ from itertools import pairwise
 import torch
 
 from priortr.adapters import FamilyAdapter
-from priortr.engine.attention import RowSpec
 from priortr.engine.config import PruningConfig
-from priortr.engine.evidence import RowAttention, Sources
-from priortr.engine.plan import plan_prefill
-from priortr.engine.stage import run_stage
-from priortr.engine.state import StageState
+from priortr.engine.front_door import ScoredLayerTensors, kept_columns
 from priortr.integrations.vllm.decoder import LayerParts
 from priortr.integrations.vllm.positions import image_positions, row_breaks
 
@@ -262,27 +257,17 @@ def _survivors(
     n_scored: int,
 ) -> torch.Tensor:
     """The surviving columns [P] of the full prompt (its text and the kept visual tokens, ascending),
-    chosen by ``config``'s method from layer L's queries/keys (after RoPE) and output through the stage
-    core ``priortr.apply`` runs."""
-    device = q.device
-    ids = torch.tensor([prompt.token_ids])  # on the host, where the plan is made
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    n_layers = hf_config.get_text_config().num_hidden_layers
-    plan = plan_prefill(adapter, hf_config, config, ids, valid, n_layers, counts=prompt.counts, device=device)
-    if plan is None or plan.stages != (config.layer,) or config.layer != n_scored - 1:
+    chosen by ``config``'s method from layer L's queries/keys (after RoPE) and output through the
+    engine's front door (``priortr.engine.front_door.kept_columns``: the stage core ``priortr.apply``
+    runs)."""
+    if config.layer != n_scored - 1:
         raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
-    queries = parts.heads_view(q, parts.heads).index_select(2, plan.text_rows[0])  # [1, h, R, d]
-    attention = RowAttention(
-        queries,
-        parts.heads_view(k, parts.kv_heads),
-        RowSpec(plan.text_rows, plan.valid),
-        parts.scaling,
+    scored = ScoredLayerTensors(
+        queries=parts.heads_view(q, parts.heads),  # [1, h, S, d]
+        keys=parts.heads_view(k, parts.kv_heads),
+        output=output[None],
+        scaling=parts.scaling,
         heads=hf_config.get_text_config().num_attention_heads,  # H, all ranks' heads: a chunk's size
         gather=parts.every_head,  # each chunk's [1, h, r, S] rows joined with every rank's: [1, H, r, S]
     )
-    state = StageState.of_prompt(plan)
-    sources = Sources(plan, state, config, hidden=output[None], attention=attention)
-    outcome = run_stage(config.layer, sources, output[None])
-    if outcome.state is state:  # every visual token kept
-        return torch.arange(plan.seq, device=device)
-    return outcome.state.sequence.positions[0]
+    return kept_columns(adapter, hf_config, config, prompt.token_ids, prompt.counts, scored)

@@ -2,13 +2,13 @@
 
 vLLM's processor lays out N placeholder tokens per image; the scheduler then reserves KV-cache slots
 for every one. For a pruned request this processor keeps only the K the image will keep after the
-scored layer (its share of the request's budget, planned by the library's own ``plan_on_host``, which
-also refuses a prompt the method cannot score, e.g. an image with no instruction after it), so the
-paged cache of every layer holds text + K tokens per image. The N encoder rows still reach the model
-(``models.py`` packs them), which computes layers 0..L on all of them once and keeps K. Tokens of an
-image's placeholder range that take no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and
-``</img>``, Mistral 3's row breaks and end marker) are text to the library and stay in the prompt
-(``shrink_prompt``).
+scored layer (its share of the request's budget, planned by the library's own planner through the
+engine's front door, ``priortr.engine.front_door.kept_runs``, which also refuses a prompt the method
+cannot score, e.g. an image with no instruction after it), so the paged cache of every layer holds
+text + K tokens per image. The N encoder rows still reach the model (``models.py`` packs them), which
+computes layers 0..L on all of them once and keeps K. Tokens of an image's placeholder range that take
+no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and ``</img>``, Mistral 3's row breaks and
+end marker) are text to the library and stay in the prompt (``shrink_prompt``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
-from priortr.engine.plan import plan_on_host
+from priortr.engine.front_door import kept_runs
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
+    STEP_LIMIT_KEY,
+    WHOLE_LIMIT_KEY,
     check_request_kwargs,
     check_request_media,
-    engine_config,
+    position_limit,
     request_config,
-    request_policy,
+    served_settings,
 )
 
 PROMPT_LENGTH_KEY = "priortr_prompt_length"
@@ -51,38 +53,6 @@ UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
 """The field of a pruned request's image items that holds the length of its prompt unpruned (N
 placeholders per image), read by the scheduler to end the answer before its positions leave the
 model's (``scheduler.py``): the request decodes at its original positions."""
-STEP_LIMIT_KEY = "priortr_step_tokens"
-"""The model config's attribute holding the longest prompt the engine schedules in one step, set by
-the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
-WHOLE_LIMIT_KEY = "priortr_whole_prompt_tokens"
-"""The model config's attribute holding the most tokens of whole (unpruned) prompts one step runs
-through layers 0..L, set by the config hook (``config_hooks.whole_prompt_limit``): the scheduler's
-token budget, which vLLM's start-up memory profile runs through every layer (``scheduler.py``)."""
-
-
-def served_config(hf_config: Any) -> PruningConfig | None:
-    """The engine-wide settings of a model config, or None when it carries none (stock vLLM)."""
-    settings = getattr(hf_config, SETTINGS_KEY, None)
-    if settings is None:
-        return None
-    return engine_config(settings, hf_config.get_text_config().num_hidden_layers)
-
-
-def kept_counts(hf_config: Any, config: PruningConfig, prompt: list[int]) -> list[tuple[int, int, int]]:
-    """The items ``priortr.apply`` prunes in ``prompt`` (every image laid out with its N placeholders,
-    prompt order), each as (the prompt index of its first visual token, its visual tokens, how many it
-    keeps after the scored layer under ``config``); raises the library's ValueError for a prompt that
-    cannot be scored. Images with no text between them are one item (one run of placeholders, one
-    budget, one separator)."""
-    ids = torch.tensor([prompt])
-    adapter = adapter_for_type(hf_config.model_type)
-    n_layers = hf_config.get_text_config().num_hidden_layers
-    host = plan_on_host(adapter, hf_config, config, ids, torch.ones_like(ids, dtype=torch.bool), n_layers)
-    if host is None:
-        return []
-    return [
-        (int(pool.positions[0]), pool.size, min(pool.stages[config.layer], pool.size)) for pool in host.pools
-    ]
 
 
 def embedded_tokens(span: PlaceholderRange) -> tuple[int, int]:
@@ -154,7 +124,7 @@ class PruningProcessor:
         """vLLM's profiling prompts (a bare image, nothing to score) with every token: the engine sizes
         its encoder cache and memory for unpruned requests, which a request may always ask for."""
         inputs = super().get_dummy_inputs(*args, **kwargs)
-        if served_config(self.info.get_hf_config()) is None:
+        if served_settings(self.info.get_hf_config()) is None:
             return inputs
         off = {**inputs.hf_processor_mm_kwargs, SETTINGS_KEY: {"enabled": False}}
         return replace(inputs, hf_processor_mm_kwargs=off)
@@ -174,14 +144,14 @@ class PruningProcessor:
         output (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second
         request meet the first image's N rows)."""
         hf_config = self.info.get_hf_config()
-        engine = served_config(hf_config)
-        if engine is None:
+        served = served_settings(hf_config)
+        if served is None:
             return super().apply(inputs, timing_ctx)
-        policy = request_policy(getattr(hf_config, SETTINGS_KEY))
+        policy = served.policy
         operator = self.info.ctx.model_config.multimodal_config  # the engine's --mm-processor-kwargs etc.
         check_request_kwargs(inputs.hf_processor_mm_kwargs, operator.mm_processor_kwargs or {}, policy)
         check_request_media(inputs.media_io_kwargs, operator.media_io_kwargs or {}, policy)
-        config = request_config(engine, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
+        config = request_config(served.config, inputs.hf_processor_mm_kwargs.get(SETTINGS_KEY), policy)
         if config is None:
             return super().apply(inputs, timing_ctx)
         check_pixels(inputs.mm_data_items)
@@ -245,14 +215,6 @@ def encoder_layout(item: MultiModalKwargsItem) -> str:
             entry += "=" + ",".join(str(value) for value in data.flatten().tolist())
         parts.append(entry)
     return ";".join(parts)
-
-
-def position_limit(model_config: Any) -> int:
-    """The positions a served model places: ``max_model_len``, or its text config's
-    ``max_position_embeddings`` (the rows of its RoPE table) where that is more. A pruned request's
-    cache holds K per image, which vLLM counts against ``max_model_len``; its positions count N."""
-    table = getattr(model_config.hf_text_config, "max_position_embeddings", None) or 0
-    return max(model_config.max_model_len, table)
 
 
 def check_unpruned_length(unpruned: int, limit: int) -> None:
@@ -351,7 +313,8 @@ def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent:
     by_offset = sorted(range(len(images)), key=lambda i: spans[i][0])
     in_order = [0] * len(images)
     pending = iter(by_offset)
-    for start, size, kept in kept_counts(hf_config, config, laid_out["prompt_token_ids"]):
+    adapter = adapter_for_type(hf_config.model_type)
+    for start, size, kept in kept_runs(adapter, hf_config, config, laid_out["prompt_token_ids"]):
         run: list[int] = []
         for i in pending:
             run.append(i)

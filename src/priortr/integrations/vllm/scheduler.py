@@ -19,7 +19,7 @@ served exactly, so a pruned request (its images carry the recorded prompt length
   tokens sit at their original positions, ahead of its scheduled tokens by the tokens pruned, and
   vLLM counts ``max_model_len`` on the scheduled tokens, so it would decode past the RoPE table
   (``max_position_embeddings`` rows; on a GPU an index past it is a device-side assert that ends the
-  engine). When the request arrives its ``max_tokens`` is lowered to ``processor.position_limit``
+  engine). When the request arrives its ``max_tokens`` is lowered to ``settings.position_limit``
   (the larger of ``max_model_len`` and ``max_position_embeddings``) minus its unpruned length, at
   least 1 (the processor refuses an unpruned prompt longer than that limit), which vLLM's
   ``check_stop`` enforces (``vllm/v1/core/sched/utils.py:114-119``). With ``max_model_len`` at its
@@ -57,7 +57,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, UNPRUNED_LENGTH_KEY, position_limit
+from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, UNPRUNED_LENGTH_KEY
+from priortr.integrations.vllm.settings import position_limit
 
 
 def pruned(request: Any) -> bool:

@@ -19,7 +19,7 @@ allowed: it costs what a request on stock vLLM costs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,10 +36,70 @@ ENGINE_KEYS = CONFIG_KEYS | POLICY_KEYS
 REQUEST_KEYS = frozenset({"budget", "enabled"})
 SERVED_EVIDENCE = frozenset({"attention", "text_rows"})
 """Evidence the plug-in gathers at the scored layer: the recomputed attention rows."""
+STEP_LIMIT_KEY = "priortr_step_tokens"
+"""The model config's attribute holding the longest prompt the engine schedules in one step, set by
+the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
+WHOLE_LIMIT_KEY = "priortr_whole_prompt_tokens"
+"""The model config's attribute holding the most tokens of whole (unpruned) prompts one step runs
+through layers 0..L, set by the config hook (``config_hooks.whole_prompt_limit``): the scheduler's
+token budget, which vLLM's start-up memory profile runs through every layer (``scheduler.py``)."""
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """A served model's checked ``priortr`` settings: the engine-wide ``config`` and the ``policy`` of
+    what a request may set (both immutable, so every caller may share them)."""
+
+    config: PruningConfig
+    policy: RequestPolicy
+
+
+_CHECKED: dict[Hashable, ServedSettings] = {}
+"""``served_settings``' cache: the checked settings by (settings' contents, decoder layers)."""
+
+
+def served_settings(hf_config: Any) -> ServedSettings | None:
+    """The checked settings of a model config, or None when it carries none (stock vLLM).
+
+    Checked once per served config (its settings and depth) and then read from a cache: the config
+    hooks, the model, and the processor on every request all ask. The cache is keyed by the settings'
+    contents (``_contents``), read afresh at every call, so a config whose settings changed is checked
+    again; a refused config is never cached, so it is refused at every call."""
+    settings = getattr(hf_config, SETTINGS_KEY, None)
+    if settings is None:
+        return None
+    n_layers = hf_config.get_text_config().num_hidden_layers
+    try:
+        key = (_contents(settings), n_layers)
+    except TypeError:  # a value that cannot key a cache (a set of lists...): checked at every call
+        return check_settings(settings, n_layers)
+    served = _CHECKED.get(key)
+    if served is None:
+        served = _CHECKED[key] = check_settings(settings, n_layers)
+    return served
+
+
+def _contents(value: object) -> Hashable:
+    """A hashable copy of a settings value that tells apart what the checks tell apart: mappings and
+    lists by their items, each other value by its type and value (1, 1.0 and True are equal keys in
+    Python, and not to the checks); raises TypeError for a value that cannot be hashed."""
+    if isinstance(value, Mapping):
+        return (Mapping, tuple((_contents(key), _contents(item)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_contents(item) for item in value))
+    hash(value)
+    return (type(value), value)
 
 
 def engine_config(settings: object, n_layers: int) -> PruningConfig:
-    """The checked ``PruningConfig`` of a config's ``priortr`` settings, for ``n_layers`` decoder layers.
+    """The checked ``PruningConfig`` of a config's ``priortr`` settings, for ``n_layers`` decoder layers
+    (``check_settings``: the request policy is checked too)."""
+    return check_settings(settings, n_layers).config
+
+
+def check_settings(settings: object, n_layers: int) -> ServedSettings:
+    """The checked config and request policy of a config's ``priortr`` settings, for ``n_layers``
+    decoder layers.
 
     Methods served are the one-layer methods ranking from the scored layer's attention with plain
     top-K pruning (PriorTR, FastV and the other scoring rules); the rest are refused with the reason."""
@@ -56,8 +116,7 @@ def engine_config(settings: object, n_layers: int) -> PruningConfig:
         )
     config = PruningConfig.of(n_layers=n_layers, **{k: v for k, v in settings.items() if k in CONFIG_KEYS})
     check_served(config)
-    request_policy(settings)
-    return config
+    return ServedSettings(config, request_policy(settings))
 
 
 @dataclass(frozen=True)
@@ -203,3 +262,11 @@ def request_config(
             f"this server serves the request budgets {', '.join(map(str, policy.budgets))}; got {budget!r}"
         )
     return replace(config, budget=budget)
+
+
+def position_limit(model_config: Any) -> int:
+    """The positions a served model places: ``max_model_len``, or its text config's
+    ``max_position_embeddings`` (the rows of its RoPE table) where that is more. A pruned request's
+    cache holds K per image, which vLLM counts against ``max_model_len``; its positions count N."""
+    table = getattr(model_config.hf_text_config, "max_position_embeddings", None) or 0
+    return max(model_config.max_model_len, table)
