@@ -2,7 +2,7 @@
 ``<|vision_end|>``; the separator is ``<|vision_end|>``. Positions are M-RoPE: ``generate()`` passes
 ``[4, B, S]`` ids (row 0 text positions, rows 1-3 temporal/height/width)."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +49,17 @@ class QwenVLAdapter(FamilyAdapter):
 
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_token_id, "video": config.video_token_id}
+
+    def token_grid(self, config, grid_thw: Sequence[int] | torch.Tensor) -> tuple[int, int]:
+        """(rows, columns) of an image's visual tokens, which come in raster order as their M-RoPE
+        height/width ids say, from its patch grid ``grid_thw`` (the processor's ``image_grid_thw`` of
+        the image): the patches merged ``spatial_merge_size`` x ``spatial_merge_size``. Front ends
+        outside the engine read it (the tools' score maps, the vLLM plug-in's positions)."""
+        frames, height, width = (int(v) for v in grid_thw)
+        if frames != 1:
+            raise ValueError(f"an image has one temporal patch; got a {frames}-frame grid")
+        merge = config.vision_config.spatial_merge_size
+        return height // merge, width // merge
 
     def text_positions(self, model: nn.Module, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Row 0 of ``[4, B, S]`` ids; M-RoPE-only ``[1 or 3, B, S]`` ids (a later chat turn) are text
