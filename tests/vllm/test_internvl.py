@@ -17,7 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm import models
-from priortr.integrations.vllm.layout import embedded_tokens, shrink_prompt
+from priortr.integrations.vllm.request_layout import embedded_tokens, shrink_prompt
 from tests.vllm.harness import (
     ANSWER_TOKENS,
     apply_settings,

@@ -21,7 +21,6 @@ from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm import models
 from priortr.integrations.vllm.decoder import check_options
-from priortr.integrations.vllm.layout import embedded_tokens, shrink_prompt
 from priortr.integrations.vllm.positions import (
     LINEAR_ROPE_ROW_BREAKS,
     ImageSlots,
@@ -29,6 +28,7 @@ from priortr.integrations.vllm.positions import (
     request_positions,
 )
 from priortr.integrations.vllm.registration import UNSERVED
+from priortr.integrations.vllm.request_layout import embedded_tokens, shrink_prompt
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.vllm import checkpoints
 from tests.vllm.checkpoints import MISTRAL3_TOKEN_PIXELS

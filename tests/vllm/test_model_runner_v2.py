@@ -21,8 +21,8 @@ from vllm.v1.request import Request
 from vllm.v1.worker.gpu.mm.rope import RopeState
 
 from priortr.integrations.vllm import models
-from priortr.integrations.vllm.layout import RequestLengths
 from priortr.integrations.vllm.prefill_step import PrunedPrompt, StepImage, StepInputs, plan_step
+from priortr.integrations.vllm.request_layout import RequestLengths
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, QWEN_IMAGE, image
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}

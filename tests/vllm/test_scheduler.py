@@ -14,8 +14,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache
-from priortr.integrations.vllm.layout import ImageRecord
 from priortr.integrations.vllm.processor import check_step_limit
+from priortr.integrations.vllm.request_layout import ImageRecord
 from priortr.integrations.vllm.scheduler import PruningAsyncScheduler, PruningScheduler, pruned
 
 PROMPT = 67

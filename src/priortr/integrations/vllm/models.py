@@ -13,7 +13,7 @@ the plug-in's code. The hooks:
 * ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
   as vLLM merges it. An image is the placeholders that take its embeddings (vLLM's ``is_multimodal``
   rows), as many rows as vLLM handed it: a pruned image's K slots are one run
-  (``layout.shrink_prompt``), joined to the next image's where no text stands between them
+  (``request_layout.shrink_prompt``), joined to the next image's where no text stands between them
   (LLaVA-OneVision's chat template), an unpruned image's rows may be several runs (Mistral 3's rows);
   tokens of its placeholder range outside them (InternVL's ``<img>`` and ``</img>``, Mistral 3's row
   breaks) are text rows;
@@ -55,7 +55,6 @@ from vllm.model_executor.models.vision import get_num_selected_vision_tokens, ge
 
 from priortr.adapters import adapter_for_type
 from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
-from priortr.integrations.vllm.layout import embedded_tokens, image_record, recorded_lengths, take_kept
 from priortr.integrations.vllm.positions import (
     LINEAR_ROPE,
     LINEAR_ROPE_ROW_BREAKS,
@@ -74,6 +73,12 @@ from priortr.integrations.vllm.prefill_step import (
     prefill_prompt,
 )
 from priortr.integrations.vllm.processor import served_config
+from priortr.integrations.vllm.request_layout import (
+    embedded_tokens,
+    image_record,
+    recorded_lengths,
+    take_kept,
+)
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -116,10 +121,10 @@ class PruningModel:
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
-        fields, and only theirs carry a record, ``layout.ImageRecord``) packed as [K, N * D] each, one row of
-        N * D expanded to the image's K placeholders (a view: no copy). Other images stay [N, D], which
-        vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may fall
-        inside an unpruned image."""
+        fields, and only theirs carry a record, ``request_layout.ImageRecord``) packed as [K, N * D] each,
+        one row of N * D expanded to the image's K placeholders (a view: no copy). Other images stay [N,
+        D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may
+        fall inside an unpruned image."""
         kept = take_kept(kwargs)  # K per image, a host tensor
         embeddings = super().embed_multimodal(**kwargs)
         if kept is None:

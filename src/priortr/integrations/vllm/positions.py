@@ -9,12 +9,12 @@ unpruned positions (1-D RoPE and M-RoPE alike) with nothing keyed outside the re
 
 A placeholder's own position is never used: layers 0..L run on the full prompt, and the kept tokens
 take their original positions after layer L. Its three slots instead carry a record the forward pass
-reads (``layout.SlotRecord``: length of the short prompt, image grid height, image grid width). The
+reads (``request_layout.SlotRecord``: length of the short prompt, image grid height, image grid width). The
 prompt length tells a re-prefill after preemption (prompt + generated tokens in one step) where the
 prompt ends, so that the scores use the prompt's rows only, as they did the first time. It is the
-length the processor recorded with the request's images (``layout.recorded_lengths``), never the number
-of tokens handed in: vLLM's V1 runner asks once, with the prompt, but Model Runner V2 asks again after a
-preemption, with the prompt and the generated tokens.
+length the processor recorded with the request's images (``request_layout.recorded_lengths``), never
+the number of tokens handed in: vLLM's V1 runner asks once, with the prompt, but Model Runner V2 asks
+again after a preemption, with the prompt and the generated tokens.
 
 How a family lays out an image's tokens and their positions is its ``FamilyLayout``.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.integrations.vllm.layout import SlotRecord, break_rows
+from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
 
 FullPositions = Callable[[list[int], Sequence[int]], tuple[torch.Tensor, int]]
 """(prompt with N placeholders per image, each image's first placeholder) -> ([3, S] positions, delta)."""
@@ -38,7 +38,7 @@ class ImageSlots:
     (K), how many tokens the image has (N), its grid of merged patches (height, width), and the text
     tokens inside its layout: for each, how many of the image's N tokens come before it (Mistral 3's
     row breaks, ``FamilyLayout.breaks``; none for the other families). A pruned request's prompt has
-    those text tokens right after the K slots (``layout.shrink_prompt``)."""
+    those text tokens right after the K slots (``request_layout.shrink_prompt``)."""
 
     offset: int
     kept: int

@@ -10,7 +10,7 @@ library's own constructor (``priortr.engine.plan.plan_prefill``) and layer L's a
 (``priortr.engine.stage.run_stage``: the same evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
-(Mistral 3's row breaks) is scheduled right after the image's K slots (``layout.shrink_prompt``) and
+(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_layout.shrink_prompt``) and
 put back between the image's rows in the full prompt, where the library scores and keeps it as text.
 
 An image's encoder rows are [N, D * (1 + J)]: its N embeddings, then (Qwen3-VL's DeepStack, J > 0) the
@@ -34,8 +34,8 @@ from priortr.engine.plan import plan_prefill
 from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
 from priortr.integrations.vllm.decoder import LayerParts
-from priortr.integrations.vllm.layout import SlotRecord, break_rows
 from priortr.integrations.vllm.positions import FamilyLayout
+from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,8 @@ def plan_step(
     layout: FamilyLayout,
 ) -> list[PrunedPrompt]:
     """The step's pruned prompts from host copies of its positions [3][T] and request layout, each
-    read back from its images' slot records (``layout.SlotRecord``) as ``layout`` lays its family out."""
+    read back from its images' slot records (``request_layout.SlotRecord``), laid out as the family's
+    ``layout`` lays an image out."""
     prompts = []
     images = iter(step.images)
     pending = next(images, None)

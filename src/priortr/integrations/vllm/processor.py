@@ -8,8 +8,8 @@ paged cache of every layer holds text + K tokens per image. The N encoder rows s
 (``models.py`` packs them), which computes layers 0..L on all of them once and keeps K. Tokens of an
 image's placeholder range that take no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and
 ``</img>``, Mistral 3's row breaks and end marker) are text to the library and stay in the prompt
-(``layout.shrink_prompt``). What the request carries to the scheduler and the model (the short prompt,
-a record on each image) is written by ``layout.py``, beside where it is read.
+(``request_layout.shrink_prompt``). What the request carries to the scheduler and the model (the short prompt,
+a record on each image) is written by ``request_layout.py``, beside where it is read.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
 from priortr.engine.plan import plan_on_host
-from priortr.integrations.vllm.layout import ImageRecord, embedded_tokens, shrink_prompt, with_record
+from priortr.integrations.vllm.request_layout import ImageRecord, embedded_tokens, shrink_prompt, with_record
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     check_request_kwargs,
@@ -98,15 +98,15 @@ class PruningProcessor:
 
         vLLM keys its encoder cache (and checks each entry's embedding count against the request's
         placeholders) by an image's hash, while K depends on the request: the same image kept at two
-        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
-        So a pruned request is laid out first without vLLM's processor cache (which must see only what
-        reaches the engine), and then processed again with each image identified as (image, N, the
-        fields that fix its encoder output's shape, K, prompt length, unpruned length): the image
-        carries both lengths, its K and N (``layout.ImageRecord``). N and those fields are in the identity
-        because a client's image ``uuid`` stands for the pixels and nothing else: two images of
-        different sizes sent under one uuid, at the same K and prompt length, must not share an encoder
-        output (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second
-        request meet the first image's N rows)."""
+        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped. So
+        a pruned request is laid out first without vLLM's processor cache (which must see only what
+        reaches the engine), and then processed again with each image identified as (image, N, the fields
+        that fix its encoder output's shape, K, prompt length, unpruned length): the image carries both
+        lengths, its K and N (``request_layout.ImageRecord``). N and those fields are in the identity
+        because a client's image ``uuid`` stands for the pixels and nothing else: two images of different
+        sizes sent under one uuid, at the same K and prompt length, must not share an encoder output
+        (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second request
+        meet the first image's N rows)."""
         hf_config = self.info.get_hf_config()
         engine = served_config(hf_config)
         if engine is None:

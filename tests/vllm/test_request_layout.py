@@ -1,4 +1,4 @@
-"""What a pruned request carries across vLLM's processes (``layout.py``) and how a family lays out an
+"""What a pruned request carries across vLLM's processes (``request_layout.py``) and how a family lays out an
 image (``positions.FamilyLayout``), on hand-computed values: each record is read back as written, and a
 record that is missing, partial or corrupted is refused, never read as a plan."""
 
@@ -10,7 +10,16 @@ import pytest
 import torch
 from vllm.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
 
-from priortr.integrations.vllm.layout import (
+from priortr.integrations.vllm.positions import (
+    LINEAR_ROPE,
+    LINEAR_ROPE_ROW_BREAKS,
+    MROPE,
+    FamilyLayout,
+    ImageSlots,
+    linear_positions,
+    request_positions,
+)
+from priortr.integrations.vllm.request_layout import (
     ENCODED_KEY,
     KEPT_KEY,
     PROMPT_LENGTH_KEY,
@@ -25,15 +34,6 @@ from priortr.integrations.vllm.layout import (
     shrink_prompt,
     take_kept,
     with_record,
-)
-from priortr.integrations.vllm.positions import (
-    LINEAR_ROPE,
-    LINEAR_ROPE_ROW_BREAKS,
-    MROPE,
-    FamilyLayout,
-    ImageSlots,
-    linear_positions,
-    request_positions,
 )
 
 IMG = 9  # an image placeholder id

@@ -35,15 +35,11 @@ from vllm.multimodal.inputs import (
 )
 
 PROMPT_LENGTH_KEY = "priortr_prompt_length"
-"""The image item's field holding ``ImageRecord.prompt_length``."""
 KEPT_KEY = "priortr_kept"
-"""The image item's field holding ``ImageRecord.kept``."""
 ENCODED_KEY = "priortr_encoded_tokens"
-"""The image item's field holding ``ImageRecord.encoded``."""
 UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
-"""The image item's field holding ``ImageRecord.unpruned_length``."""
 RECORD_KEYS = (PROMPT_LENGTH_KEY, KEPT_KEY, ENCODED_KEY, UNPRUNED_LENGTH_KEY)
-"""The image item's fields, in the order of ``ImageRecord``'s."""
+"""The image item's fields that hold an ``ImageRecord``, in the order of its fields."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +106,7 @@ def with_record(item: MultiModalKwargsItem | None, record: ImageRecord) -> Multi
 
 def image_record(feature: Any) -> ImageRecord | None:
     """The record of a request's item (vLLM's ``MultiModalFeatureSpec``), None for an item that is not
-    an image, holds no data (the scheduler's copy of an item whose data stayed in the front end) or
-    belongs to an unpruned request."""
+    an image, whose data vLLM hands on as None, or of an unpruned request."""
     if feature.modality != "image" or feature.data is None:
         return None
     return ImageRecord.of_fields(feature.data)
