@@ -121,10 +121,10 @@ class PruningModel:
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
-        fields, and only theirs carry a record, ``request_layout.ImageRecord``) packed as [K, N * D] each,
-        one row of N * D expanded to the image's K placeholders (a view: no copy). Other images stay [N,
-        D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may
-        fall inside an unpruned image."""
+        fields, and only theirs carry a record, ``request_layout.ImageRecord``) packed as [K, N * D]
+        each, one row of N * D expanded to the image's K placeholders (a view: no copy). Other images
+        stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk
+        boundary may fall inside an unpruned image."""
         kept = take_kept(kwargs)  # K per image, a host tensor
         embeddings = super().embed_multimodal(**kwargs)
         if kept is None:
