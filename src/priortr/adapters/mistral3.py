@@ -24,11 +24,10 @@ class Mistral3Adapter(FamilyAdapter):
     model_types = ("mistral3",)
     separator_token = "[IMG_END]"
 
-    def token_grid(self, config, height: int, width: int) -> tuple[int, int]:
+    def image_grid(self, config, height: int, width: int) -> tuple[int, int]:
         """(rows, columns) of the visual tokens of an image the processor resized to ``height`` x
         ``width`` pixels, a whole number of tokens of ``patch_size * spatial_merge_size`` pixels on each
-        side. Front ends outside the engine read it (the tools' score maps, the vLLM plug-in's
-        positions)."""
+        side. The one rule for the tools' score maps and the vLLM plug-in's positions."""
         pixels = config.vision_config.patch_size * config.spatial_merge_size
         return height // pixels, width // pixels
 

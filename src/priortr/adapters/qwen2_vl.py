@@ -35,14 +35,13 @@ class QwenVLAdapter(FamilyAdapter):
             raise ValueError(
                 f"the call has {found} for its {len(images)} images, so their token grids are unknown"
             )
-        merge = model_config.vision_config.spatial_merge_size
         out = []
-        for item, (frames, height, width) in zip(items, grids.tolist(), strict=True):
-            grid = (height // merge, width // merge)
-            if frames != 1 or grid[0] * grid[1] != item.size:
+        for item, grid_thw in zip(items, grids.tolist(), strict=True):
+            grid = self.image_grid(model_config, grid_thw)
+            if grid[0] * grid[1] != item.size:
                 raise ValueError(
-                    f"an image of {item.size} tokens has image_grid_thw ({frames}, {height}, {width}), which "
-                    f"does not lay them out on one {grid[0]} x {grid[1]} grid"
+                    f"an image of {item.size} tokens has image_grid_thw {tuple(grid_thw)}, which does not "
+                    f"lay them out on one {grid[0]} x {grid[1]} grid"
                 )
             out.append(replace(item, grid=grid))
         return out
@@ -50,11 +49,11 @@ class QwenVLAdapter(FamilyAdapter):
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_token_id, "video": config.video_token_id}
 
-    def token_grid(self, config, grid_thw: Sequence[int] | torch.Tensor) -> tuple[int, int]:
+    def image_grid(self, config, grid_thw: Sequence[int] | torch.Tensor) -> tuple[int, int]:
         """(rows, columns) of an image's visual tokens, which come in raster order as their M-RoPE
-        height/width ids say, from its patch grid ``grid_thw`` (the processor's ``image_grid_thw`` of
-        the image): the patches merged ``spatial_merge_size`` x ``spatial_merge_size``. Front ends
-        outside the engine read it (the tools' score maps, the vLLM plug-in's positions)."""
+        height/width ids say, from its patch grid ``grid_thw`` (its row of the processor's
+        ``image_grid_thw``): the patches merged ``spatial_merge_size`` x ``spatial_merge_size``. The one
+        rule for ``item_grids``, the tools' score maps and the vLLM plug-in's positions."""
         frames, height, width = (int(v) for v in grid_thw)
         if frames != 1:
             raise ValueError(f"an image has one temporal patch; got a {frames}-frame grid")

@@ -143,7 +143,7 @@ def _qwen_grid(adapter: QwenVLAdapter, config, inputs: dict, row: int) -> tuple[
     grid = inputs.get("image_grid_thw")
     if grid is None:
         raise ValueError("the inputs hold no image_grid_thw, so the image's token grid is unknown")
-    return adapter.token_grid(config, grid[row])
+    return adapter.image_grid(config, grid[row])
 
 
 def _whole_image(adapter: FamilyAdapter, image, processor):
@@ -195,7 +195,7 @@ def _pixtral_grid(adapter: Mistral3Adapter, config, inputs: dict, row: int) -> t
     if sizes is None:
         raise ValueError("the inputs hold no image_sizes, so the image's token grid is unknown")
     height, width = (int(v) for v in sizes[row])
-    return adapter.token_grid(config, height, width)
+    return adapter.image_grid(config, height, width)
 
 
 def _pixtral_inputs(

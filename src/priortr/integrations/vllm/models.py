@@ -377,14 +377,14 @@ class PruningMistral3(LinearPositions, SizedImages, PruningModel, Mistral3ForCon
     budget per image, ``[IMG_END]`` its separator, the row breaks kept as text
     (``priortr.adapters.mistral3``); so does the plug-in (``LINEAR_ROPE_ROW_BREAKS``). The grid comes
     from the image's pixels, which vLLM's processor crops to the image's resized size, a whole number of
-    tokens on each side (``Mistral3Adapter.token_grid``)."""
+    tokens on each side (``Mistral3Adapter.image_grid``)."""
 
     stock = Mistral3ForConditionalGeneration
     layout = LINEAR_ROPE_ROW_BREAKS
 
     def _image_grid(self, data: Mapping[str, Any]) -> tuple[int, int]:
         height, width = data["pixel_values"].data.shape[-2:]
-        return self._adapter.token_grid(self.config, int(height), int(width))
+        return self._adapter.image_grid(self.config, int(height), int(width))
 
 
 class QwenPositions:
@@ -394,7 +394,7 @@ class QwenPositions:
 
     def _slots(self, feature: Any) -> ImageSlots:
         span = feature.mm_position
-        grid = self._adapter.token_grid(self.config, feature.data["image_grid_thw"].data.tolist())
+        grid = self._adapter.image_grid(self.config, feature.data["image_grid_thw"].data.tolist())
         return ImageSlots(span.offset, span.length, grid[0] * grid[1], grid)
 
     def _full_positions(
