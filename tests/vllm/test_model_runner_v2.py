@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu.mm.rope import RopeState
 
 from priortr.integrations.vllm import models
 from priortr.integrations.vllm.prefill_step import PrunedPrompt, StepImage, StepInputs, plan_step
+from priortr.integrations.vllm.request_layout import RequestLengths
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, QWEN_IMAGE, image
 
 SETTINGS = {"method": "fastv", "budget": 6, "layer": 1}
@@ -102,13 +103,7 @@ def planned(model, tokens: list[int], positions: torch.Tensor, features: list) -
     ]
     step = StepInputs(tokens, images)
     (prompt,) = plan_step(
-        step,
-        positions.tolist(),
-        [0, len(tokens)],
-        [len(tokens)],
-        model._image_token,
-        model.linear_rope,
-        model.image_row_breaks,
+        step, positions.tolist(), [0, len(tokens)], [len(tokens)], model._image_token, model.layout
     )
     return prompt
 
@@ -149,7 +144,10 @@ def test_length_from_the_tokens_is_caught(first_add, monkeypatch):
     generated tokens as instruction, and the comparison above then fails."""
     model, prompt, features, positions, delta, generated = first_add
     tokens = prompt + generated
-    monkeypatch.setattr(models, "recorded_length", lambda features: len(tokens))
+    recorded = models.recorded_lengths(features)
+    monkeypatch.setattr(
+        models, "recorded_lengths", lambda features: RequestLengths(len(tokens), recorded.unpruned)
+    )
     v2_positions, _ = v2_readd(model, prompt, features, generated)
     v1 = planned(model, tokens, v1_readd(positions, delta, generated), features)
     v2 = planned(model, tokens, v2_positions, features)
@@ -159,6 +157,6 @@ def test_length_from_the_tokens_is_caught(first_add, monkeypatch):
 
 def test_request_without_a_recorded_length_is_refused(first_add, monkeypatch):
     model, prompt, features, _, _, generated = first_add
-    monkeypatch.setattr(models, "recorded_length", lambda features: None)
+    monkeypatch.setattr(models, "recorded_lengths", lambda features: None)
     with pytest.raises(RuntimeError, match="prompt length"):
         v2_readd(model, prompt, features, generated)

@@ -14,12 +14,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache
-from priortr.integrations.vllm.processor import (
-    ENCODED_KEY,
-    PROMPT_LENGTH_KEY,
-    UNPRUNED_LENGTH_KEY,
-    check_step_limit,
-)
+from priortr.integrations.vllm.processor import check_step_limit
+from priortr.integrations.vllm.request_layout import ImageRecord
 from priortr.integrations.vllm.scheduler import PruningAsyncScheduler, PruningScheduler, pruned
 
 PROMPT = 67
@@ -39,13 +35,13 @@ def stand_in(*features: SimpleNamespace) -> SimpleNamespace:
 
 
 def pruned_stand_in(unpruned: int = UNPRUNED_PROMPT) -> SimpleNamespace:
-    """A pruned request as the processor sends it: its image carries both lengths (vLLM's field
-    elements, read through ``.data``); the other image is unpruned."""
-    lengths = {
-        PROMPT_LENGTH_KEY: SimpleNamespace(data=PROMPT),
-        UNPRUNED_LENGTH_KEY: SimpleNamespace(data=unpruned),
-    }
-    return stand_in(feature(data={"pixel_values": 0}), feature(data={"pixel_values": 0, **lengths}))
+    """A pruned request as the processor sends it: its image carries the record (vLLM's field
+    elements, read through ``.data``; this image keeps its 4 tokens, so the encoder charges are
+    vLLM's own); the other item carries none."""
+    record = ImageRecord(prompt_length=PROMPT, kept=4, encoded=4, unpruned_length=unpruned).fields()
+    image = feature(data={"pixel_values": 0, **record})
+    image.mm_position = SimpleNamespace(get_num_embeds=lambda: 4)
+    return stand_in(feature(data={"pixel_values": 0}), image)
 
 
 PRUNED = pruned_stand_in()
@@ -57,7 +53,7 @@ def test_a_pruned_request_is_one_whose_images_carry_the_prompt_length():
     assert not pruned(UNPRUNED)
     assert not pruned(stand_in())  # text only
     assert not pruned(stand_in(feature(data=None)))
-    assert not pruned(stand_in(feature("video", {PROMPT_LENGTH_KEY: PROMPT})))
+    assert not pruned(stand_in(feature("video", ImageRecord(PROMPT, 4, 16, UNPRUNED_PROMPT).fields())))
 
 
 @pytest.fixture
@@ -152,8 +148,9 @@ N, K = 16, 4  # an image's embeddings and its kept placeholders
 
 
 def image_of(encoded: int = N, kept: int = K, prompt: int = PROMPT) -> SimpleNamespace:
-    """A pruned image: the prompt length and its N recorded by the processor, K placeholders."""
-    data = {PROMPT_LENGTH_KEY: SimpleNamespace(data=prompt), ENCODED_KEY: SimpleNamespace(data=encoded)}
+    """A pruned image: its record as the processor writes it, K placeholders (the unpruned length,
+    which these charges do not read, is one that every request below fits)."""
+    data = ImageRecord(prompt, kept, encoded, unpruned_length=1_000).fields()
     return SimpleNamespace(
         modality="image", data=data, mm_position=SimpleNamespace(get_num_embeds=lambda: kept)
     )

@@ -24,6 +24,13 @@ class Mistral3Adapter(FamilyAdapter):
     model_types = ("mistral3",)
     separator_token = "[IMG_END]"
 
+    def image_grid(self, config, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of the visual tokens of an image the processor resized to ``height`` x
+        ``width`` pixels, a whole number of tokens of ``patch_size * spatial_merge_size`` pixels on each
+        side. The one rule for the tools' score maps and the vLLM plug-in's positions."""
+        pixels = config.vision_config.patch_size * config.spatial_merge_size
+        return height // pixels, width // pixels
+
     def visual_items(self, config, input_ids: torch.Tensor) -> list[VisualItem]:
         """One item per image: its ``[IMG]`` runs, which a single row-break token separates.
 

@@ -2,7 +2,7 @@
 ``<|vision_end|>``; the separator is ``<|vision_end|>``. Positions are M-RoPE: ``generate()`` passes
 ``[4, B, S]`` ids (row 0 text positions, rows 1-3 temporal/height/width)."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,20 +35,30 @@ class QwenVLAdapter(FamilyAdapter):
             raise ValueError(
                 f"the call has {found} for its {len(images)} images, so their token grids are unknown"
             )
-        merge = model_config.vision_config.spatial_merge_size
         out = []
-        for item, (frames, height, width) in zip(items, grids.tolist(), strict=True):
-            grid = (height // merge, width // merge)
-            if frames != 1 or grid[0] * grid[1] != item.size:
+        for item, grid_thw in zip(items, grids.tolist(), strict=True):
+            grid = self.image_grid(model_config, grid_thw)
+            if grid[0] * grid[1] != item.size:
                 raise ValueError(
-                    f"an image of {item.size} tokens has image_grid_thw ({frames}, {height}, {width}), which "
-                    f"does not lay them out on one {grid[0]} x {grid[1]} grid"
+                    f"an image of {item.size} tokens has image_grid_thw {tuple(grid_thw)}, which does not "
+                    f"lay them out on one {grid[0]} x {grid[1]} grid"
                 )
             out.append(replace(item, grid=grid))
         return out
 
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_token_id, "video": config.video_token_id}
+
+    def image_grid(self, config, grid_thw: Sequence[int] | torch.Tensor) -> tuple[int, int]:
+        """(rows, columns) of an image's visual tokens, which come in raster order as their M-RoPE
+        height/width ids say, from its patch grid ``grid_thw`` (its row of the processor's
+        ``image_grid_thw``): the patches merged ``spatial_merge_size`` x ``spatial_merge_size``. The one
+        rule for ``item_grids``, the tools' score maps and the vLLM plug-in's positions."""
+        frames, height, width = (int(v) for v in grid_thw)
+        if frames != 1:
+            raise ValueError(f"an image has one temporal patch; got a {frames}-frame grid")
+        merge = config.vision_config.spatial_merge_size
+        return height // merge, width // merge
 
     def text_positions(self, model: nn.Module, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Row 0 of ``[4, B, S]`` ids; M-RoPE-only ``[1 or 3, B, S]`` ids (a later chat turn) are text

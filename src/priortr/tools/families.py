@@ -137,17 +137,13 @@ def _pad_to_square(image, mean):
     return square
 
 
-def _qwen_grid(adapter: FamilyAdapter, config, inputs: dict, row: int) -> tuple[int, int]:
-    """``(h // merge, w // merge)`` from ``inputs["image_grid_thw"][row]`` (one image per prompt, so the
-    row's image); merged tokens come in raster order, as their M-RoPE height/width ids say."""
+def _qwen_grid(adapter: QwenVLAdapter, config, inputs: dict, row: int) -> tuple[int, int]:
+    """The adapter's grid of ``inputs["image_grid_thw"][row]`` (one image per prompt, so the row's
+    image)."""
     grid = inputs.get("image_grid_thw")
     if grid is None:
         raise ValueError("the inputs hold no image_grid_thw, so the image's token grid is unknown")
-    frames, height, width = (int(v) for v in grid[row])
-    if frames != 1:
-        raise ValueError(f"an image has one temporal patch; got a {frames}-frame grid")
-    merge = config.vision_config.spatial_merge_size
-    return height // merge, width // merge
+    return adapter.image_grid(config, grid[row])
 
 
 def _whole_image(adapter: FamilyAdapter, image, processor):
@@ -192,15 +188,14 @@ def _bracketed(ids: torch.Tensor, n_visual: int, start: int, end: int) -> torch.
     return torch.cat([ids[:, :3], first, ids[:, 4 : 4 + n_visual], last, ids[:, 5 + n_visual :]], dim=1)
 
 
-def _pixtral_grid(adapter: FamilyAdapter, config, inputs: dict, row: int) -> tuple[int, int]:
-    """(rows, cols) of row ``row``'s image, ``image_sizes[row]`` over the pixels of one visual token
-    (one image per prompt, so the row's image); tokens come in raster order."""
+def _pixtral_grid(adapter: Mistral3Adapter, config, inputs: dict, row: int) -> tuple[int, int]:
+    """The adapter's grid of an image of ``image_sizes[row]`` pixels (one image per prompt, so the
+    row's image); tokens come in raster order."""
     sizes = inputs.get("image_sizes")
     if sizes is None:
         raise ValueError("the inputs hold no image_sizes, so the image's token grid is unknown")
-    pixels = config.vision_config.patch_size * config.spatial_merge_size
     height, width = (int(v) for v in sizes[row])
-    return height // pixels, width // pixels
+    return adapter.image_grid(config, height, width)
 
 
 def _pixtral_inputs(

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from priortr.integrations.vllm.processor import ENCODED_KEY
+from priortr.integrations.vllm.request_layout import image_record
 
 
 def uncounted(request: Any, inputs: Any = None) -> int:
@@ -29,9 +29,8 @@ def uncounted(request: Any, inputs: Any = None) -> int:
 
 def _extra(feature: Any) -> int:
     """N - K of a pruned image (its processor recorded N), 0 for any other item."""
-    if feature.modality != "image" or feature.data is None or ENCODED_KEY not in feature.data:
-        return 0
-    return int(feature.data[ENCODED_KEY].data) - feature.mm_position.get_num_embeds()
+    record = image_record(feature)
+    return 0 if record is None else record.encoded - feature.mm_position.get_num_embeds()
 
 
 class PrunedEncoderCache(EncoderCacheManager):

@@ -13,7 +13,7 @@ the plug-in's code. The hooks:
 * ``embed_input_ids``: unpacks them; an unpruned image (or the part of it a step schedules) is merged
   as vLLM merges it. An image is the placeholders that take its embeddings (vLLM's ``is_multimodal``
   rows), as many rows as vLLM handed it: a pruned image's K slots are one run
-  (``processor.shrink_prompt``), joined to the next image's where no text stands between them
+  (``request_layout.shrink_prompt``), joined to the next image's where no text stands between them
   (LLaVA-OneVision's chat template), an unpruned image's rows may be several runs (Mistral 3's rows);
   tokens of its placeholder range outside them (InternVL's ``<img>`` and ``</img>``, Mistral 3's row
   breaks) are text rows;
@@ -55,7 +55,15 @@ from vllm.model_executor.models.vision import get_num_selected_vision_tokens, ge
 
 from priortr.adapters import adapter_for_type
 from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
-from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions, row_breaks
+from priortr.integrations.vllm.positions import (
+    LINEAR_ROPE,
+    LINEAR_ROPE_ROW_BREAKS,
+    MROPE,
+    FamilyLayout,
+    ImageSlots,
+    linear_positions,
+    request_positions,
+)
 from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
     PrunedPrompt,
@@ -64,12 +72,11 @@ from priortr.integrations.vllm.prefill_step import (
     plan_step,
     prefill_prompt,
 )
-from priortr.integrations.vllm.processor import (
-    ENCODED_KEY,
-    KEPT_KEY,
-    PROMPT_LENGTH_KEY,
-    UNPRUNED_LENGTH_KEY,
+from priortr.integrations.vllm.request_layout import (
     embedded_tokens,
+    image_record,
+    recorded_lengths,
+    take_kept,
 )
 from priortr.integrations.vllm.settings import served_settings
 
@@ -87,27 +94,11 @@ def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def recorded_length(mm_features: list) -> int | None:
-    """The prompt length the processor recorded with a pruned request's images (``processor.py``),
-    None for a request whose images carry none (it prunes nothing)."""
-    lengths = {
-        int(feature.data[PROMPT_LENGTH_KEY].data)
-        for feature in mm_features
-        if feature.modality == "image" and PROMPT_LENGTH_KEY in feature.data
-    }
-    if len(lengths) > 1:
-        raise RuntimeError(f"priortr: a request's images recorded different prompt lengths {sorted(lengths)}")
-    return lengths.pop() if lengths else None
-
-
 class PruningModel:
     """Mixin over a vLLM multimodal model class; see the module docstring."""
 
-    linear_rope = False
-    """True for a 1-D RoPE family served through vLLM's M-RoPE bookkeeping (LLaVA)."""
-    image_row_breaks = False
-    """True for a family that lays out an image as rows of visual tokens with a text token after every
-    row but the last (Mistral 3's ``[IMG_BREAK]``; ``positions.row_breaks``)."""
+    layout: FamilyLayout = MROPE
+    """How the family lays out an image's tokens and positions (``positions.FamilyLayout``)."""
     stock: type
     """vLLM's own class, built instead for a model config without ``priortr`` settings."""
 
@@ -130,14 +121,11 @@ class PruningModel:
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
-        fields, and only theirs carry the prompt length and K) packed as [K, N * D] each, one row of
-        N * D expanded to the image's K placeholders (a view: no copy). Other images stay [N, D], which
-        vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk boundary may fall
-        inside an unpruned image."""
-        kwargs.pop(PROMPT_LENGTH_KEY, None)  # read by get_mrope_input_positions
-        kwargs.pop(ENCODED_KEY, None)  # N, read by the scheduler
-        kwargs.pop(UNPRUNED_LENGTH_KEY, None)  # read by the scheduler
-        kept = kwargs.pop(KEPT_KEY, None)  # K per image, a host tensor (keep_on_cpu)
+        fields, and only theirs carry a record, ``request_layout.ImageRecord``) packed as [K, N * D]
+        each, one row of N * D expanded to the image's K placeholders (a view: no copy). Other images
+        stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk
+        boundary may fall inside an unpruned image."""
+        kept = take_kept(kwargs)  # K per image, a host tensor
         embeddings = super().embed_multimodal(**kwargs)
         if kept is None:
             return embeddings
@@ -189,7 +177,9 @@ class PruningModel:
         def full(prompt: list[int], starts: list[int]) -> tuple[torch.Tensor, int]:
             return self._full_positions(prompt, starts, mm_features, others)
 
-        return request_positions(input_tokens, images, self._image_token, full, recorded_length(mm_features))
+        lengths = recorded_lengths(mm_features)
+        prompt_length = None if lengths is None else lengths.prompt
+        return request_positions(input_tokens, images, self._image_token, full, prompt_length)
 
     def _stock_positions(self, prompt: list[int], features: list) -> tuple[torch.Tensor, int]:
         """The stock class's M-RoPE positions (Qwen)."""
@@ -205,7 +195,7 @@ class PruningModel:
     ) -> Any:
         step, self._step = self._step, None
         if step is None:
-            layer_positions = positions[0] if self.linear_rope and positions.ndim == 2 else positions
+            layer_positions = self.layout.layer_positions(positions)
             return super().forward(input_ids, layer_positions, intermediate_tensors, inputs_embeds, **kwargs)
         if inputs_embeds is None or inputs_embeds.shape[0] < len(step.input_ids):
             raise RuntimeError("priortr: the step's embeddings are fewer than the tokens embed_input_ids saw")
@@ -216,15 +206,7 @@ class PruningModel:
         """One step holding pruned prompts: see the module docstring."""
         injected = self._step_injections(inputs_embeds.shape[0])
         starts, seq_lens = batch_layout(self._text.scored[0])
-        prompts = plan_step(
-            step,
-            positions.tolist(),
-            starts,
-            seq_lens,
-            self._image_token,
-            self.linear_rope,
-            self.image_row_breaks,
-        )
+        prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.layout)
         with unpadded_rows():
             kept = [
                 prefill_prompt(
@@ -234,7 +216,7 @@ class PruningModel:
                     self.priortr,
                     self._adapter,
                     self._hf_config,
-                    self.linear_rope,
+                    self.layout,
                 )
                 for prompt in prompts
             ]
@@ -259,7 +241,7 @@ class PruningModel:
         pruned = torch.tensor(pruned_rows, dtype=torch.long, device=device)
         live = torch.tensor([r for r in range(rows) if r not in taken], dtype=torch.long, device=device)
         positions = positions.clone()
-        rope = positions[0] if self.linear_rope else positions
+        rope = self.layout.layer_positions(positions)
         hidden = inputs_embeds.index_select(0, live)
         live_rope = rope.index_select(-1, live)
         residual = hidden
@@ -286,8 +268,7 @@ class PruningModel:
         all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
         all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
         positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
-        rope = positions[0] if self.linear_rope else positions
-        return self._text.finish(rope, all_hidden, all_residual)
+        return self._text.finish(self.layout.layer_positions(positions), all_hidden, all_residual)
 
 
 class LinearPositions:
@@ -296,7 +277,7 @@ class LinearPositions:
     1-D positions."""
 
     supports_mrope = True
-    linear_rope = True
+    layout = LINEAR_ROPE
 
     def _full_positions(
         self, prompt: list[int], starts: list[int], features: list, others: list
@@ -318,11 +299,10 @@ class SizedImages:
 
     def _slots(self, feature: Any) -> ImageSlots:
         offset, laid_out = embedded_tokens(feature.mm_position)
-        if PROMPT_LENGTH_KEY not in feature.data:  # an image of an unpruned request: all N laid out
+        if image_record(feature) is None:  # an image of an unpruned request: all N laid out
             return ImageSlots(offset, laid_out, laid_out, (1, laid_out))
         grid = self._image_grid(feature.data)
-        breaks = row_breaks(grid) if self.image_row_breaks else ()
-        return ImageSlots(offset, laid_out, grid[0] * grid[1], grid, breaks)
+        return ImageSlots(offset, laid_out, grid[0] * grid[1], grid, self.layout.breaks(grid))
 
 
 class PruningLlava(LinearPositions, PruningModel, LlavaForConditionalGeneration):
@@ -395,27 +375,26 @@ class PruningMistral3(LinearPositions, SizedImages, PruningModel, Mistral3ForCon
     then ``[IMG_BREAK]`` per row, the last break replaced by ``[IMG_END]``: one placeholder range whose
     ``is_embed`` mask marks the ``[IMG]`` tokens. ``priortr.apply`` prunes the ``[IMG]`` tokens only, one
     budget per image, ``[IMG_END]`` its separator, the row breaks kept as text
-    (``priortr.adapters.mistral3``); so does the plug-in (``image_row_breaks``). The grid comes from the
-    image's pixels, which vLLM's processor crops to the image's resized size, a whole number of tokens
-    (``patch_size * spatial_merge_size`` px each) on each side."""
+    (``priortr.adapters.mistral3``); so does the plug-in (``LINEAR_ROPE_ROW_BREAKS``). The grid comes
+    from the image's pixels, which vLLM's processor crops to the image's resized size, a whole number of
+    tokens on each side (``Mistral3Adapter.image_grid``)."""
 
     stock = Mistral3ForConditionalGeneration
-    image_row_breaks = True
+    layout = LINEAR_ROPE_ROW_BREAKS
 
     def _image_grid(self, data: Mapping[str, Any]) -> tuple[int, int]:
         height, width = data["pixel_values"].data.shape[-2:]
-        pixels = self.config.vision_config.patch_size * self.config.spatial_merge_size
-        return height // pixels, width // pixels
+        return self._adapter.image_grid(self.config, int(height), int(width))
 
 
 class QwenPositions:
     """M-RoPE positions of Qwen2-VL / Qwen2.5-VL requests, from vLLM's own rule on the full prompt."""
 
+    layout = MROPE
+
     def _slots(self, feature: Any) -> ImageSlots:
         span = feature.mm_position
-        _, height, width = feature.data["image_grid_thw"].data.tolist()
-        merge = self.config.vision_config.spatial_merge_size
-        grid = (height // merge, width // merge)
+        grid = self._adapter.image_grid(self.config, feature.data["image_grid_thw"].data.tolist())
         return ImageSlots(span.offset, span.length, grid[0] * grid[1], grid)
 
     def _full_positions(

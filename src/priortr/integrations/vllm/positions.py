@@ -8,12 +8,15 @@ its positions are those of the full prompt (N per image), taken at the prompt's 
 unpruned positions (1-D RoPE and M-RoPE alike) with nothing keyed outside the request.
 
 A placeholder's own position is never used: layers 0..L run on the full prompt, and the kept tokens
-take their original positions after layer L. Its three slots instead carry a *record* the forward pass
-reads: (length of the short prompt, image grid height, image grid width). The prompt length tells a
-re-prefill after preemption (prompt + generated tokens in one step) where the prompt ends, so that the
-scores use the prompt's rows only, as they did the first time. It is the length the processor recorded
-with the request's images, never the number of tokens handed in: vLLM's V1 runner asks once, with the
-prompt, but Model Runner V2 asks again after a preemption, with the prompt and the generated tokens.
+take their original positions after layer L. Its three slots instead carry a record the forward pass
+reads (``request_layout.SlotRecord``: length of the short prompt, image grid height, image grid width). The
+prompt length tells a re-prefill after preemption (prompt + generated tokens in one step) where the
+prompt ends, so that the scores use the prompt's rows only, as they did the first time. It is the
+length the processor recorded with the request's images (``request_layout.recorded_lengths``), never
+the number of tokens handed in: vLLM's V1 runner asks once, with the prompt, but Model Runner V2 asks
+again after a preemption, with the prompt and the generated tokens.
+
+How a family lays out an image's tokens and their positions is its ``FamilyLayout``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
 
 FullPositions = Callable[[list[int], Sequence[int]], tuple[torch.Tensor, int]]
 """(prompt with N placeholders per image, each image's first placeholder) -> ([3, S] positions, delta)."""
@@ -32,8 +37,8 @@ class ImageSlots:
     """One image of a request: where its placeholders start in the scheduled prompt, how many it has
     (K), how many tokens the image has (N), its grid of merged patches (height, width), and the text
     tokens inside its layout: for each, how many of the image's N tokens come before it (Mistral 3's
-    row breaks, ``row_breaks``; none for the other families). A pruned request's prompt has those text
-    tokens right after the K slots (``processor.shrink_prompt``)."""
+    row breaks, ``FamilyLayout.breaks``; none for the other families). A pruned request's prompt has
+    those text tokens right after the K slots (``request_layout.shrink_prompt``)."""
 
     offset: int
     kept: int
@@ -42,12 +47,51 @@ class ImageSlots:
     breaks: tuple[int, ...] = ()
 
 
-def row_breaks(grid: tuple[int, int]) -> tuple[int, ...]:
-    """The text tokens inside an image laid out as ``grid`` rows of visual tokens with a row break
-    after every row but the last (Mistral 3: ``[IMG_BREAK]``; ``[IMG_END]`` after the last row is the
-    text after the image), as ``ImageSlots.breaks`` counts them."""
-    height, width = grid
-    return tuple(range(width, height * width, width))
+@dataclass(frozen=True)
+class FamilyLayout:
+    """How a served family lays out an image's tokens and positions, the facts every step of a pruned
+    request reads: ``linear_rope``, the family's layers take 1-D RoPE positions (0, 1, 2, ...), given
+    vLLM's per-request M-RoPE bookkeeping on all three channels, else M-RoPE's (t, h, w); ``row_breaks``,
+    the family writes a text token after every row of an image's grid but the last (Mistral 3:
+    ``[IMG_BREAK]``; ``[IMG_END]`` after the last row is the text after the image)."""
+
+    linear_rope: bool
+    row_breaks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.row_breaks and not self.linear_rope:
+            raise ValueError("priortr: row breaks inside an image are laid out for 1-D RoPE only")
+
+    def breaks(self, grid: tuple[int, int]) -> tuple[int, ...]:
+        """The text tokens inside an image of ``grid`` (rows, columns) visual tokens, as
+        ``ImageSlots.breaks`` counts them: for each, how many of the image's tokens come before it."""
+        if not self.row_breaks:
+            return ()
+        height, width = grid
+        return tuple(range(width, height * width, width))
+
+    def image_positions(self, base: int, grid: tuple[int, int]) -> torch.Tensor:
+        """[3, n] positions of the n tokens of an image's layout (its N = height * width visual tokens
+        and its row breaks) whose first token sits at ``base``: ``base + i`` on every channel for 1-D
+        RoPE, else M-RoPE's (t, h, w) = base + (0, row, column)."""
+        height, width = grid
+        if self.linear_rope:
+            return (base + torch.arange(height * width + len(self.breaks(grid)))).expand(3, -1).clone()
+        index = torch.arange(height * width)
+        return base + torch.stack([torch.zeros_like(index), index // width, index % width])
+
+    def layer_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """What the family's layers take of vLLM's positions ([3, T] with M-RoPE bookkeeping): channel 0
+        for 1-D RoPE, all three for M-RoPE."""
+        return positions[0] if self.linear_rope and positions.ndim == 2 else positions
+
+
+MROPE = FamilyLayout(linear_rope=False)
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE, an image one grid of visual tokens."""
+LINEAR_ROPE = FamilyLayout(linear_rope=True)
+"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL: 1-D RoPE, an image one run of visual tokens."""
+LINEAR_ROPE_ROW_BREAKS = FamilyLayout(linear_rope=True, row_breaks=True)
+"""Mistral 3 (Pixtral): 1-D RoPE, an image's rows of visual tokens with a row break between them."""
 
 
 def request_positions(
@@ -78,15 +122,15 @@ def request_positions(
         full += prompt[cursor : image.offset]
         starts.append(len(full))
         source += [-1] * image.kept
-        cursor = image.offset + image.kept
+        rows = break_rows(image.offset, image.kept, len(image.breaks))
         placed = 0
-        for before in image.breaks:  # the text tokens inside the image follow its K slots
+        for before, row in zip(image.breaks, rows, strict=True):  # text inside the image: after its slots
             full += [token_id] * (before - placed)
             placed = before
             source.append(len(full))
-            full.append(prompt[cursor])
-            cursor += 1
+            full.append(prompt[row])
         full += [token_id] * (image.tokens - placed)
+        cursor = rows.stop
     source += range(len(full), len(full) + len(prompt) - cursor)
     full += prompt[cursor:]
     positions, _ = full_positions(full, starts)
@@ -94,7 +138,7 @@ def request_positions(
     text = torch.tensor([i for i, s in enumerate(source) if s >= 0], dtype=torch.long)
     short[:, text] = positions[:, torch.tensor([s for s in source if s >= 0], dtype=torch.long)]
     for image in ordered:
-        record = torch.tensor([prompt_length, *image.grid], dtype=positions.dtype)
+        record = SlotRecord(prompt_length, image.grid).encode(positions.dtype)
         short[:, image.offset : image.offset + image.kept] = record[:, None]
     return short, int(positions.max()) + 1 - len(prompt)
 
@@ -102,13 +146,3 @@ def request_positions(
 def linear_positions(prompt: list[int], starts: Sequence[int]) -> tuple[torch.Tensor, int]:
     """1-D RoPE's positions (0, 1, 2, ...) on all three M-RoPE channels, and delta 0."""
     return torch.arange(len(prompt)).expand(3, -1).clone(), 0
-
-
-def image_positions(base: int, grid: tuple[int, int], linear: bool) -> torch.Tensor:
-    """[3, N] positions of an image's N = height * width tokens whose first token sits at ``base``:
-    ``base + i`` on every channel for 1-D RoPE, else M-RoPE's (t, h, w) = base + (0, row, column)."""
-    height, width = grid
-    index = torch.arange(height * width)
-    if linear:
-        return (base + index).expand(3, -1).clone()
-    return base + torch.stack([torch.zeros_like(index), index // width, index % width])

@@ -9,7 +9,7 @@ prompt with the library's own constructor and runs the stage core ``priortr.appl
 evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
-(Mistral 3's row breaks) is scheduled right after the image's K slots (``processor.shrink_prompt``) and
+(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_layout.shrink_prompt``) and
 put back between the image's rows in the full prompt, where the library scores and keeps it as text.
 
 An image's encoder rows are [N, D * (1 + J)]: its N embeddings, then (Qwen3-VL's DeepStack, J > 0) the
@@ -29,7 +29,8 @@ from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig
 from priortr.engine.front_door import ScoredLayerTensors, kept_columns
 from priortr.integrations.vllm.decoder import LayerParts
-from priortr.integrations.vllm.positions import image_positions, row_breaks
+from priortr.integrations.vllm.positions import FamilyLayout
+from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,11 @@ def plan_step(
     starts: list[int],
     seq_lens: list[int],
     image_token: int,
-    linear: bool,
-    image_row_breaks: bool,
+    layout: FamilyLayout,
 ) -> list[PrunedPrompt]:
-    """The step's pruned prompts from host copies of its positions [3][T] and request layout;
-    ``image_row_breaks``: the family writes a text token after each image row but the last (Mistral 3)."""
+    """The step's pruned prompts from host copies of its positions [3][T] and request layout, each
+    read back from its images' slot records (``request_layout.SlotRecord``), laid out as the family's
+    ``layout`` lays an image out."""
     prompts = []
     images = iter(step.images)
     pending = next(images, None)
@@ -110,13 +111,13 @@ def plan_step(
             pending = next(images, None)
         if not any(image.pruned for image in own):
             continue
-        length = positions[0][own[0].row]  # the record: (prompt length, grid height, grid width)
+        length = SlotRecord.decode(positions, own[0].row, own[0].kept).prompt_length
         if seq_lens[request] != end - start or end - start < length:
             raise RuntimeError(
                 "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
                 "the plug-in's scheduler (PruningScheduler) never does; is another --scheduler-cls set?"
             )
-        prompt = _plan_prompt(step, positions, start, length, own, image_token, linear, image_row_breaks)
+        prompt = _plan_prompt(step, positions, start, length, own, image_token, layout)
         prompts.append(prompt)
     return prompts
 
@@ -128,11 +129,10 @@ def _plan_prompt(
     length: int,
     images: list[StepImage],
     image_token: int,
-    linear: bool,
-    image_row_breaks: bool,
+    layout: FamilyLayout,
 ) -> PrunedPrompt:
     """One pruned request's full prompt of ``length`` tokens, read back from its scheduled rows and
-    their records; an image's row breaks (``image_row_breaks``) are the rows after its K slots.
+    their records; an image's row breaks (``layout.breaks``) are the rows after its K slots.
 
     Images with no text between them (their slots back to back) are one run of visual tokens, which
     ``priortr.apply`` ranks as one item under one budget: ``counts`` holds one count per run, the sum of
@@ -157,28 +157,30 @@ def _plan_prompt(
         columns.append(
             torch.tensor([[p[r] for r in range(row, image.row)] for p in positions], dtype=torch.long)
         )
-        grid = (positions[1][image.row], positions[2][image.row])
-        n_tokens = image.embeddings.shape[0]
-        if grid[0] * grid[1] != n_tokens:
-            raise RuntimeError(f"priortr: an image's record says {grid} tokens, its encoder gave {n_tokens}")
-        breaks = row_breaks(grid) if image_row_breaks else ()
-        if breaks and not linear:
-            raise RuntimeError("priortr: row breaks inside an image are laid out for 1-D RoPE only")
-        first, inside = len(token_ids), image.row + image.kept  # inside: the row of its first break
+        record = SlotRecord.decode(positions, image.row, image.kept)
+        grid, n_tokens = record.grid, image.embeddings.shape[0]
+        if grid[0] * grid[1] != n_tokens or record.prompt_length != length:
+            raise RuntimeError(
+                f"priortr: an image's record says {grid} tokens in a prompt of {record.prompt_length}, "
+                f"its encoder gave {n_tokens} in a prompt of {length}"
+            )
+        breaks = layout.breaks(grid)
+        rows = break_rows(image.row, image.kept, len(breaks))
+        first = len(token_ids)
         columns_of_breaks = [first + before + index for index, before in enumerate(breaks)]
         token_ids += [image_token] * (n_tokens + len(breaks))
-        for column, r in zip(columns_of_breaks, range(inside, inside + len(breaks)), strict=True):
+        for column, r in zip(columns_of_breaks, rows, strict=True):
             token_ids[column] = step.input_ids[r]
             text_columns.append(column)
             text_rows.append(r)
         embedded = sorted(set(range(first, len(token_ids))) - set(columns_of_breaks))
         placed.append((torch.tensor(embedded, dtype=torch.long), image.embeddings))
-        columns.append(image_positions(base, (1, len(token_ids) - first) if breaks else grid, linear))
+        columns.append(layout.image_positions(base, grid))
         if adjacent:
             counts[-1] += image.kept
         else:
             counts.append(image.kept)
-        row = inside + len(breaks)
+        row = rows.stop
     for r in range(row, start + length):
         text_columns.append(len(token_ids))
         text_rows.append(r)
@@ -206,7 +208,7 @@ def prefill_prompt(
     config: PruningConfig,
     adapter: FamilyAdapter,
     hf_config: object,
-    linear: bool,
+    layout: FamilyLayout,
 ) -> KeptPrompt:
     """Layers 0..L on the whole prompt, the method's choice at layer L, and the surviving tokens."""
     device = inputs_embeds.device
@@ -222,7 +224,7 @@ def prefill_prompt(
         if levels:
             injected.index_copy_(1, index, rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1))
     positions = prompt.positions.to(device)  # [3, S]
-    rope_positions = positions[0] if linear else positions
+    rope_positions = layout.layer_positions(positions)
     residual = None
     keys, values = [], []
     for index, parts in enumerate(layers):

@@ -8,7 +8,9 @@ cannot score, e.g. an image with no instruction after it), so the paged cache of
 text + K tokens per image. The N encoder rows still reach the model (``models.py`` packs them), which
 computes layers 0..L on all of them once and keeps K. Tokens of an image's placeholder range that take
 no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and ``</img>``, Mistral 3's row breaks and
-end marker) are text to the library and stay in the prompt (``shrink_prompt``).
+end marker) are text to the library and stay in the prompt (``request_layout.shrink_prompt``). What the
+request carries to the scheduler and the model (the short prompt, a record on each image) is written by
+``request_layout.py``, beside where it is read.
 """
 
 from __future__ import annotations
@@ -18,17 +20,13 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from vllm.multimodal.inputs import (
-    MultiModalBatchedField,
-    MultiModalFieldElem,
-    MultiModalKwargsItem,
-    PlaceholderRange,
-)
+from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
 from priortr.engine.front_door import kept_runs
+from priortr.integrations.vllm.request_layout import ImageRecord, embedded_tokens, shrink_prompt, with_record
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     STEP_LIMIT_KEY,
@@ -39,70 +37,6 @@ from priortr.integrations.vllm.settings import (
     request_config,
     served_settings,
 )
-
-PROMPT_LENGTH_KEY = "priortr_prompt_length"
-"""The field of a pruned request's image items that holds the length of the request's scheduled
-prompt (K placeholders per image), read by ``get_mrope_input_positions`` (``positions.py``)."""
-KEPT_KEY = "priortr_kept"
-"""The field of a pruned request's image items that holds the image's K placeholders, read by
-``embed_multimodal``, which hands the image's N encoder rows on as K rows (``models.py``)."""
-ENCODED_KEY = "priortr_encoded_tokens"
-"""The field of a pruned request's image items that holds the image's N, the embeddings its encoder
-computes and the engine caches (it has K placeholders): the scheduler charges N (``scheduler.py``)."""
-UNPRUNED_LENGTH_KEY = "priortr_unpruned_length"
-"""The field of a pruned request's image items that holds the length of its prompt unpruned (N
-placeholders per image), read by the scheduler to end the answer before its positions leave the
-model's (``scheduler.py``): the request decodes at its original positions."""
-
-
-def embedded_tokens(span: PlaceholderRange) -> tuple[int, int]:
-    """(prompt index of the first token of ``span`` that takes the image's embeddings, how many do).
-
-    vLLM's placeholder range of an image may hold tokens that stay text, its ``is_embed`` mask marking
-    the ones that take embeddings: InternVL's ``<img>`` and ``</img>`` around the ``<IMG_CONTEXT>`` run,
-    Mistral 3's ``[IMG_BREAK]`` after each row of ``[IMG]`` and ``[IMG_END]`` last. Those text tokens are
-    never pruned, as the family's Hugging Face adapter decides. A range without a mask is all embedded."""
-    if span.is_embed is None:
-        return span.offset, span.length
-    flags = span.is_embed.tolist()
-    if not any(flags):
-        raise ValueError("priortr: vLLM laid out an image whose placeholders take no embeddings")
-    return span.offset + flags.index(True), sum(flags)
-
-
-def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: list[int]) -> tuple:
-    """``prompt`` with image ``i``'s placeholder range laid out for ``counts[i]`` kept tokens, and the
-    images' new ranges (``ranges`` and ``counts`` in the same order; the ranges do not overlap).
-
-    A shrunk range holds its text tokens before its first embedded one, then ``counts[i]`` embedded
-    slots in one run, then the range's other text tokens in their order (Mistral 3's row breaks, then
-    its end marker), its ``is_embed`` mask alike: every text token stays, and the slots are where the
-    model writes the tokens that survive layer L, which are the image's kept tokens and its row breaks
-    in prompt order at their original positions (``prefill_step.py``). A range whose embedded tokens are
-    one run (every other family) is that run cut to its first ``counts[i]`` tokens."""
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
-    out: list[int] = []
-    new: list[PlaceholderRange | None] = [None] * len(ranges)
-    cursor = 0
-    for i in order:
-        span, kept = ranges[i], counts[i]
-        first, _ = embedded_tokens(span)
-        inside = first - span.offset
-        tokens = prompt[span.offset : span.offset + span.length]
-        flags = [True] * span.length if span.is_embed is None else span.is_embed.tolist()
-        after = [
-            token for token, embedded in zip(tokens[inside:], flags[inside:], strict=True) if not embedded
-        ]
-        short = [*tokens[:inside], *[prompt[first]] * kept, *after]
-        is_embed = None
-        if span.is_embed is not None:
-            is_embed = torch.tensor([False] * inside + [True] * kept + [False] * len(after))
-        out += prompt[cursor : span.offset]
-        new[i] = PlaceholderRange(offset=len(out), length=len(short), is_embed=is_embed)
-        out += short
-        cursor = span.offset + span.length
-    out += prompt[cursor:]
-    return out, new
 
 
 class PruningProcessor:
@@ -134,15 +68,15 @@ class PruningProcessor:
 
         vLLM keys its encoder cache (and checks each entry's embedding count against the request's
         placeholders) by an image's hash, while K depends on the request: the same image kept at two
-        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped.
-        So a pruned request is laid out first without vLLM's processor cache (which must see only what
-        reaches the engine), and then processed again with each image identified as (image, N, the
-        fields that fix its encoder output's shape, K, prompt length, unpruned length): the image
-        carries both lengths and its K (``with_records``). N and those fields are in the identity
-        because a client's image ``uuid`` stands for the pixels and nothing else: two images of
-        different sizes sent under one uuid, at the same K and prompt length, must not share an encoder
-        output (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second
-        request meet the first image's N rows)."""
+        counts, in two requests or twice in one, would meet an entry of the wrong size and be dropped. So
+        a pruned request is laid out first without vLLM's processor cache (which must see only what
+        reaches the engine), and then processed again with each image identified as (image, N, the fields
+        that fix its encoder output's shape, K, prompt length, unpruned length): the image carries both
+        lengths, its K and N (``request_layout.ImageRecord``). N and those fields are in the identity
+        because a client's image ``uuid`` stands for the pixels and nothing else: two images of different
+        sizes sent under one uuid, at the same K and prompt length, must not share an encoder output
+        (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second request
+        meet the first image's N rows)."""
         hf_config = self.info.get_hf_config()
         served = served_settings(hf_config)
         if served is None:
@@ -177,7 +111,7 @@ class PruningProcessor:
         placeholders = out["mm_placeholders"]
         prompt, ranges = shrink_prompt(out["prompt_token_ids"], placeholders["image"], counts)
         items = [
-            with_records(item, length, kept, encoded, unpruned)
+            with_record(item, ImageRecord(length, kept, encoded, unpruned))
             for item, kept, encoded in zip(out["mm_kwargs"]["image"], counts, tokens, strict=True)
         ]
         return {
@@ -256,34 +190,6 @@ def check_step_limit(length: int, limit: int | None) -> None:
             "raise --max-num-batched-tokens, ask for a smaller budget, or send the request with "
             f'mm_processor_kwargs={{"{SETTINGS_KEY}": {{"enabled": false}}}}'
         )
-
-
-def with_records(
-    item: MultiModalKwargsItem | None, length: int, kept: int, encoded: int, unpruned: int
-) -> MultiModalKwargsItem | None:
-    """``item`` (an image of a pruned request) with the request's prompt length, the image's K, its N
-    (the ``encoded`` embeddings, which the scheduler charges) and the request's unpruned length (which
-    bounds its answer, ``scheduler.py``) as four more fields.
-
-    vLLM's V2 model runner re-adds a preempted request with its generated tokens as its prompt and
-    asks the model for its positions again, so the prompt length cannot be read from the tokens.
-    It rides on the image instead, which every cache keys by the image's identity; that identity
-    holds the lengths and K too, so requests that share a cached item share them. K tells
-    ``embed_multimodal`` how many placeholders the image's encoder rows fill: adjacent images' K slots
-    are one run of placeholders, which no count in the step separates. ``None`` (an item vLLM's
-    processor cache already sent to the engine, which has it with these fields) stays None."""
-    if item is None:
-        return None
-    fields = {
-        key: MultiModalFieldElem(data=torch.tensor(value), field=MultiModalBatchedField(keep_on_cpu=True))
-        for key, value in (
-            (PROMPT_LENGTH_KEY, length),
-            (KEPT_KEY, kept),
-            (ENCODED_KEY, encoded),
-            (UNPRUNED_LENGTH_KEY, unpruned),
-        )
-    }
-    return MultiModalKwargsItem({**item, **fields})
 
 
 ADJACENT_REFUSED = (

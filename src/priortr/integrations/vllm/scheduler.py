@@ -4,7 +4,7 @@ A pruned request's prefill runs layers 0..L on its whole prompt (text + N tokens
 the paged cache, from position 0 (``prefill_step.py``): every token after an image attends, at
 layers 0..L, to the image's N tokens, which no cache holds, and which tokens survive depends on the
 prompt's last text rows. Neither a prefix-cache hit nor a chunk boundary inside the prompt can be
-served exactly, so a pruned request (its images carry the recorded prompt length, ``processor.py``):
+served exactly, so a pruned request (its images carry a record, ``request_layout.ImageRecord``):
 
 * never reads the prefix cache: the scheduler sets vLLM's own per-request switch
   ``skip_reading_prefix_cache`` (the one prompt logprobs use) when the request arrives, so it holds
@@ -34,7 +34,7 @@ Text-only and unpruned requests are scheduled, cached and chunked as by vLLM.
 Two charges follow what a pruned prompt costs, not its K placeholders per image:
 
 * the step's encoder budget is charged N per pruned image the step encodes (the image's embeddings,
-  which its processor records, ``processor.ENCODED_KEY``), where vLLM charges the placeholders' K
+  which its processor records, ``request_layout.ImageRecord.encoded``), where vLLM charges the placeholders' K
   (``vllm/v1/core/sched/scheduler.py:2076,2198-2199`` in vLLM 0.33): a prompt whose images' N do not
   fit what the step has left waits for a later step, unless it is the step's first encoder work (the
   whole budget left), so that a prompt whose images exceed the budget is still served, alone;
@@ -57,27 +57,14 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
-from priortr.integrations.vllm.processor import PROMPT_LENGTH_KEY, UNPRUNED_LENGTH_KEY
+from priortr.integrations.vllm.request_layout import recorded_lengths
 from priortr.integrations.vllm.settings import position_limit
 
 
 def pruned(request: Any) -> bool:
-    """Whether a vLLM request prunes: one of its images carries the prompt length the processor
-    records for pruned requests only."""
-    return any(
-        feature.modality == "image" and feature.data is not None and PROMPT_LENGTH_KEY in feature.data
-        for feature in request.mm_features
-    )
-
-
-def unpruned_length(request: Any) -> int:
-    """A pruned request's prompt length with every image whole, as the processor recorded it."""
-    (length,) = {
-        int(feature.data[UNPRUNED_LENGTH_KEY].data)
-        for feature in request.mm_features
-        if feature.modality == "image" and feature.data is not None and UNPRUNED_LENGTH_KEY in feature.data
-    }
-    return length
+    """Whether a vLLM request prunes: its images carry the record the processor writes for pruned
+    requests only (``request_layout.ImageRecord``)."""
+    return recorded_lengths(request.mm_features) is not None
 
 
 class PruningScheduler(Scheduler):
@@ -104,7 +91,8 @@ class PruningScheduler(Scheduler):
     def add_request(self, request: Any) -> None:
         if pruned(request):
             request.skip_reading_prefix_cache = True
-            room = max(position_limit(self.vllm_config.model_config) - unpruned_length(request), 1)
+            unpruned = recorded_lengths(request.mm_features).unpruned
+            room = max(position_limit(self.vllm_config.model_config) - unpruned, 1)
             request.max_tokens = min(request.max_tokens, room)
         super().add_request(request)
 
