@@ -202,11 +202,20 @@ class PruningEngine:
         empty = not decode_step and (call.cache is None or compat.cache.length(call.cache) == 0)
         if ledger is not None and not empty:
             return self._continue(call, ledger)
+        return self._prefill_call(call, ledger, empty)
+
+    @torch.compiler.disable
+    def _prefill_call(
+        self, call: compat.calls.ModelCall, ledger: CacheLedger | None, empty: bool
+    ) -> tuple[tuple, dict] | None:
+        """A call that is not a decode step or a turn on a pruned cache: a prefill to plan and arm, or a
+        call that runs as it is. Eager in a compiled model too (its one graph break before the prefill):
+        the plan's host work, the thread's id and the hooks' registration stay out of the graphs."""
         if ledger is not None:
             write_ledger(call.cache, None)  # the cache was reset for a new prompt
         if empty and call.cache is not None:
             compat.cache.restore_slots(call.cache)  # a static cache a pruned prefill shortened: full again
-        thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
+        thread = threading.get_ident()
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
         if not (empty and call.has_visual_inputs):
@@ -312,6 +321,7 @@ class PruningEngine:
         return armed
 
     def _on_model_return(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> Callable:
+        @torch.compiler.disable  # eager in a compiled model too: hooks are removed, the ledger written
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if threading.get_ident() != thread:
                 return None
@@ -364,6 +374,12 @@ def vision_hooks(
     return handles
 
 
+def _serves(thread: int) -> bool:
+    """Whether an armed hook serves the running call: in the thread whose prefill armed it, and always
+    inside a compiled graph (dynamo cannot trace a thread's id)."""
+    return torch.compiler.is_compiling() or threading.get_ident() == thread
+
+
 def _disarm(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
@@ -373,7 +389,7 @@ def _before_layer(
     prefill: Prefill, index: int, thread: int, contract: compat.calls.LayerContract
 ) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if threading.get_ident() != thread:
+        if not _serves(thread):
             return None  # another thread's call through the same layer
         call = contract.call(args, kwargs)
         prefill.before_layer(index, module, call)
@@ -386,7 +402,7 @@ def _keep_output(keep: Callable[[torch.Tensor], None], thread: int) -> Callable:
     """Forward hook handing a scored layer's projection output to the prefill (``keep``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if threading.get_ident() == thread:
+        if _serves(thread):
             keep(output)
 
     return hook
@@ -397,7 +413,7 @@ def _rescale(prefill: Prefill, attention: nn.Module, thread: int) -> Callable:
     places in the sequence: the places of the kept tokens in the prompt (``Prefill.rescale_queries``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        if threading.get_ident() != thread:
+        if not _serves(thread):
             return None
         return prefill.rescale_queries(attention, output)
 
@@ -421,7 +437,7 @@ def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerCo
     model's input embeddings), before any stage runs."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if threading.get_ident() == thread:
+        if _serves(thread):
             prefill.keep_embeddings(contract.call(args, kwargs).hidden)
 
     return hook
