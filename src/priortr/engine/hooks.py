@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -87,6 +88,11 @@ class PruningEngine:
         return bool(self._permanent)
 
     @property
+    def _compiled(self) -> bool:
+        """Whether the model runs compiled graphs (``nn.Module.compile`` on it or its multimodal model)."""
+        return any(module._compiled_call_impl is not None for module in (self.model, self.multimodal))
+
+    @property
     def last(self) -> PruneResult | None:
         """What the most recent pruned prefill kept (``PruneResult``), built when first read."""
         self._warn_on_degenerate_scores()
@@ -111,6 +117,7 @@ class PruningEngine:
         )
 
     def attach(self) -> None:
+        _forget_compiled_code()
         self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         if "_loss_function" not in vars(self.model) and hasattr(type(self.model), "loss_function"):
             self._loss = self.model.loss_function  # called only with labels=: never on a decode step
@@ -140,6 +147,7 @@ class PruningEngine:
         if self._generate is not None:
             del self.model.generate  # the class's generate again
             self._generate = None
+        _forget_compiled_code()
 
     @contextlib.contextmanager
     def prompt_ends(self, at: int) -> Iterator[None]:
@@ -218,6 +226,13 @@ class PruningEngine:
         thread = threading.get_ident()
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
+        if self._in_flight and self._compiled:
+            raise RuntimeError(
+                "priortr: another thread's pruned prefill is running on this compiled model; its graphs "
+                "would run that prefill's hooks in this call too (torch.compile does not guard on module "
+                "hooks, and a compiled hook cannot tell threads apart). Give each thread its own model, "
+                "or run the threads' calls one at a time"
+            )
         if not (empty and call.has_visual_inputs):
             if empty:
                 skip_prefill(
@@ -372,6 +387,15 @@ def vision_hooks(
     if "features" in needs:
         handles.append(probe.projector.register_forward_pre_hook(input_of("features")))
     return handles
+
+
+def _forget_compiled_code() -> None:
+    """Drop the code torch.compile made in this process (``torch.compiler.reset``) when it may have made
+    some: dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), so
+    a model compiled and run before ``attach`` would go on running its graphs without pruning, and after
+    ``detach`` with it. The next call of any compiled model traces again."""
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
 
 
 def _serves(thread: int) -> bool:
