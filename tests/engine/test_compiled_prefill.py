@@ -179,3 +179,19 @@ def test_a_second_thread_on_a_compiled_model_is_refused_while_a_prefill_runs(two
             _forward(model, batch)
         engine._in_flight.pop(-1, None)
         torch.testing.assert_close(_forward(model, batch), eager, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_compiled_model_generates_the_eager_tokens(two_layers, compiled_model, cache):
+    """generate() on the compiled model: the pruned prefill in its graphs, then decode steps on the pruned
+    cache; a static cache's compaction (its one eager part, a break at the stage) included."""
+    model = two_layers
+    batch = llava_batch(model, batch_size=1).kwargs()
+    options = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "cache_implementation": cache}
+    with priortr.apply(model, method="priortr", budget=4, layer=0) as handle, torch.no_grad():
+        eager = model.generate(**batch, **options)
+        eager_kept = _kept(handle)
+        compiled_model(model)
+        compiled = model.generate(**batch, **options)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(_kept(handle), eager_kept)

@@ -7,6 +7,11 @@ are hooks armed, on the decoder layers a stage needs and the projections of the 
 they are disarmed as soon as the model returns. Decode steps therefore run no per-layer hook at all.
 Armed hooks serve only the thread whose prefill armed them, so calls from other threads pass through.
 
+Under ``model.compile()`` the hooks run inside dynamo's graphs: the planning and arming run eagerly
+(``_prefill_call``, behind ``torch.compiler.disable``: the prompt read on the host, the thread's id, the
+hooks' registration), the rest (the armed hooks, the stages) is traced. A compiled hook cannot read the
+thread's id, so a second thread's call on a compiled model while a prefill is armed is refused.
+
 A call may carry a continuation after its prompt (``continuation``): where the prompt ends is known per
 thread, set by ``PruningHandle.prompt_ends`` and, for the length of a ``generate()`` call, by generate
 itself (its input is the prompt), so that generate() without a cache, assisted decoding and answers

@@ -84,22 +84,14 @@ class Prefill:
             self.cache = call.cache
         stage = self.next_stage if self.next_stage is not None and self.next_stage + 1 == index else None
         if stage is not None:
-            self._run_stage_at(stage, index, layer, call)
-        elif self.state.sequence.positions is not None:
-            self._gather_layer_inputs(call, index)
-        if self.next_stage == index:
-            self._capture(index, layer, call)
-
-    def _run_stage_at(
-        self, stage: int, index: int, layer: torch.nn.Module, call: compat.calls.LayerCall
-    ) -> None:
-        """The stage scored at ``stage``, before layer ``index``, and that layer's RoPE and mask: eager
-        in a compiled model too (the stage's one graph break: its selection and cut are data-dependent)."""
-        self._observe("start", stage)
-        call.hidden = self.run_next_stage(call.hidden, layer, call.rope)
+            self._observe("start", stage)
+            call.hidden = self.run_next_stage(call.hidden, layer, call.rope)
         if self.state.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
-        self._observe("end", stage)
+        if stage is not None:
+            self._observe("end", stage)
+        if self.next_stage == index:
+            self._capture(index, layer, call)
 
     def _observe(self, event: str, stage: int) -> None:
         for observe in self.observers:
