@@ -287,7 +287,16 @@ def check_prunable(cache: Any, layer: int, local: Sequence[bool] | None = None) 
 
 def compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> None:
     """Keep columns ``index`` [B, S'] (the kept tokens in order, after the fillers of ragged rows) of the
-    prompt entries of the key-value caches of layers ``0 .. layers_run - 1``, the layers that ran."""
+    prompt entries of the key-value caches of layers ``0 .. layers_run - 1``, the layers that ran.
+    A static cache's compaction runs eagerly in a compiled prefill (one graph break): it swaps its layers'
+    classes and marks their new storage as static addresses, which dynamo cannot trace."""
+    if any(getattr(_operations(layer), "static", False) for layer in layers(cache)):
+        _compact_eagerly(cache, index, seq_len, layers_run)
+    else:
+        _compact(cache, index, seq_len, layers_run)
+
+
+def _compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> None:
     for cache_layer in key_value_layers(cache, layers_run):
         if getattr(cache_layer, "keys", None) is None or cache_layer.keys.numel() == 0:
             raise ValueError("cannot prune an empty cache layer; pruning happens during the prefill")
@@ -296,6 +305,9 @@ def compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> N
         operations = _operations(cache_layer)
         if operations is not None and operations.static and not operations.window:
             _shrink(cache_layer, seq_len - index.shape[1])
+
+
+_compact_eagerly = torch.compiler.disable(_compact)
 
 
 def guard(cache: Any) -> None:

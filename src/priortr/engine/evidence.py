@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
 from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
+from priortr.engine.memo import memo
 from priortr.engine.plan import PoolRows, PrefillPlan
 from priortr.engine.pools import Pool
 from priortr.engine.sequence import SequenceMap
@@ -141,7 +141,7 @@ class Sources:
         """The current sequence, as the stages before this one left it."""
         return self.state.sequence
 
-    @cached_property
+    @memo
     def text_attention(self) -> RowAttention:
         """The recomputed text rows at the scored layer (``attention``) or the layer after it
         (``next_attention``), prepared once for every group of the stage."""

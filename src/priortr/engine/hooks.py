@@ -7,6 +7,11 @@ are hooks armed, on the decoder layers a stage needs and the projections of the 
 they are disarmed as soon as the model returns. Decode steps therefore run no per-layer hook at all.
 Armed hooks serve only the thread whose prefill armed them, so calls from other threads pass through.
 
+Under ``model.compile()`` the hooks run inside dynamo's graphs: the planning and arming run eagerly
+(``_prefill_call``, behind ``torch.compiler.disable``: the prompt read on the host, the thread's id, the
+hooks' registration), the rest (the armed hooks, the stages) is traced. A compiled hook cannot read the
+thread's id, so a second thread's call on a compiled model while a prefill is armed is refused.
+
 A call may carry a continuation after its prompt (``continuation``): where the prompt ends is known per
 thread, set by ``PruningHandle.prompt_ends`` and, for the length of a ``generate()`` call, by generate
 itself (its input is the prompt), so that generate() without a cache, assisted decoding and answers
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -87,6 +93,11 @@ class PruningEngine:
         return bool(self._permanent)
 
     @property
+    def _compiled(self) -> bool:
+        """Whether the model runs compiled graphs (``nn.Module.compile`` on it or its multimodal model)."""
+        return any(module._compiled_call_impl is not None for module in (self.model, self.multimodal))
+
+    @property
     def last(self) -> PruneResult | None:
         """What the most recent pruned prefill kept (``PruneResult``), built when first read."""
         self._warn_on_degenerate_scores()
@@ -111,6 +122,7 @@ class PruningEngine:
         )
 
     def attach(self) -> None:
+        _forget_compiled_code()
         self._permanent = [self.multimodal.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         if "_loss_function" not in vars(self.model) and hasattr(type(self.model), "loss_function"):
             self._loss = self.model.loss_function  # called only with labels=: never on a decode step
@@ -140,6 +152,7 @@ class PruningEngine:
         if self._generate is not None:
             del self.model.generate  # the class's generate again
             self._generate = None
+        _forget_compiled_code()
 
     @contextlib.contextmanager
     def prompt_ends(self, at: int) -> Iterator[None]:
@@ -202,13 +215,29 @@ class PruningEngine:
         empty = not decode_step and (call.cache is None or compat.cache.length(call.cache) == 0)
         if ledger is not None and not empty:
             return self._continue(call, ledger)
+        return self._prefill_call(call, ledger, empty)
+
+    @torch.compiler.disable
+    def _prefill_call(
+        self, call: compat.calls.ModelCall, ledger: CacheLedger | None, empty: bool
+    ) -> tuple[tuple, dict] | None:
+        """A call that is not a decode step or a turn on a pruned cache: a prefill to plan and arm, or a
+        call that runs as it is. Eager in a compiled model too (its one graph break before the prefill):
+        the plan's host work, the thread's id and the hooks' registration stay out of the graphs."""
         if ledger is not None:
             write_ledger(call.cache, None)  # the cache was reset for a new prompt
         if empty and call.cache is not None:
             compat.cache.restore_slots(call.cache)  # a static cache a pruned prefill shortened: full again
-        thread = threading.get_ident()  # not on decode steps: a compiled decode step cannot trace it
+        thread = threading.get_ident()
         if thread in self._in_flight:
             _disarm(self._in_flight.pop(thread))  # a prefill of this thread raised before its return hook
+        if self._in_flight and self._compiled:
+            raise RuntimeError(
+                "priortr: another thread's pruned prefill is running on this compiled model; its graphs "
+                "would run that prefill's hooks in this call too (torch.compile does not guard on module "
+                "hooks, and a compiled hook cannot tell threads apart). Give each thread its own model, "
+                "or run the threads' calls one at a time"
+            )
         if not (empty and call.has_visual_inputs):
             if empty:
                 skip_prefill(
@@ -312,6 +341,7 @@ class PruningEngine:
         return armed
 
     def _on_model_return(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> Callable:
+        @torch.compiler.disable  # eager in a compiled model too: hooks are removed, the ledger written
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if threading.get_ident() != thread:
                 return None
@@ -364,6 +394,21 @@ def vision_hooks(
     return handles
 
 
+def _forget_compiled_code() -> None:
+    """Drop the code torch.compile made in this process (``torch.compiler.reset``) when it may have made
+    some: dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), so
+    a model compiled and run before ``attach`` would go on running its graphs without pruning, and after
+    ``detach`` with it. The next call of any compiled model traces again."""
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
+
+
+def _serves(thread: int) -> bool:
+    """Whether an armed hook serves the running call: in the thread whose prefill armed it, and always
+    inside a compiled graph (dynamo cannot trace a thread's id)."""
+    return torch.compiler.is_compiling() or threading.get_ident() == thread
+
+
 def _disarm(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
@@ -373,7 +418,7 @@ def _before_layer(
     prefill: Prefill, index: int, thread: int, contract: compat.calls.LayerContract
 ) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if threading.get_ident() != thread:
+        if not _serves(thread):
             return None  # another thread's call through the same layer
         call = contract.call(args, kwargs)
         prefill.before_layer(index, module, call)
@@ -386,7 +431,7 @@ def _keep_output(keep: Callable[[torch.Tensor], None], thread: int) -> Callable:
     """Forward hook handing a scored layer's projection output to the prefill (``keep``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if threading.get_ident() == thread:
+        if _serves(thread):
             keep(output)
 
     return hook
@@ -397,7 +442,7 @@ def _rescale(prefill: Prefill, attention: nn.Module, thread: int) -> Callable:
     places in the sequence: the places of the kept tokens in the prompt (``Prefill.rescale_queries``)."""
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        if threading.get_ident() != thread:
+        if not _serves(thread):
             return None
         return prefill.rescale_queries(attention, output)
 
@@ -421,7 +466,7 @@ def _capture_input(prefill: Prefill, thread: int, contract: compat.calls.LayerCo
     model's input embeddings), before any stage runs."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if threading.get_ident() == thread:
+        if _serves(thread):
             prefill.keep_embeddings(contract.call(args, kwargs).hidden)
 
     return hook

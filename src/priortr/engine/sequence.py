@@ -11,9 +11,10 @@ positions is measurably not equivalent).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
+
+from priortr.engine.memo import memo
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SequenceMap:
         """The whole prompt [B, S], before any cut: columns are positions."""
         return cls(prompt_length=visual.shape[1], positions=None, visual=visual, valid=valid, filler=None)
 
-    @cached_property
+    @memo
     def column_of(self) -> torch.Tensor:
         """[B, S] the column of every prompt position, -1 where it was dropped (made when first read)."""
         batch, seq = self.positions.shape[0], self.prompt_length
