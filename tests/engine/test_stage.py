@@ -64,7 +64,9 @@ def test_a_stage_keeps_the_methods_choice_and_every_text_token(stage_inputs):
     positions = outcome.state.sequence.positions  # [B, S'] prompt position of every kept column
     visual = batch.visual_mask()
     for row in range(batch.batch_size):
-        chosen = outcome.decisions[0].group.positions[row].gather(0, outcome.decisions[0].selection.kept[row])
+        chosen = (
+            outcome.decisions[0].group.positions[row].gather(0, outcome.decisions[0].selection.indices[row])
+        )
         kept_visual = positions[row][visual[row].gather(0, positions[row])]
         assert torch.equal(kept_visual, chosen)
         text = torch.arange(batch.seq_len)[~visual[row]]
@@ -80,7 +82,7 @@ def test_a_stage_refuses_a_selection_larger_than_its_group_on_every_front_end(st
 
     def too_many(inputs):
         batch, n_visual = inputs.hidden.shape[:2]
-        return Selection(kept=torch.arange(n_visual + 1).expand(batch, -1))
+        return Selection(indices=torch.arange(n_visual + 1).expand(batch, -1))
 
     method = dataclasses.replace(config.method, select=too_many, name="too_many")
     with pytest.raises(ValueError, match=r"kept .* visual tokens for 2 images"):

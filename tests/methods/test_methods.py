@@ -152,7 +152,7 @@ def _test_merge(inputs: StageInputs) -> Selection:
     merge[:, torch.arange(k - 1), torch.arange(k - 1)] = 1.0
     merge[:, k - 1, k - 1 :] = 1.0 / (n - k + 1)
     _MERGE_WEIGHTS["last"] = merge
-    return Selection(kept=torch.arange(k).expand(batch, k), merge=merge)
+    return Selection(indices=torch.arange(k).expand(batch, k), merge=merge)
 
 
 def test_merged_hidden_states_match_a_reference_that_writes_them():

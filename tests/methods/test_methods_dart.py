@@ -52,7 +52,7 @@ def _inputs(
 
 
 def _kept(selection: Selection) -> list[int]:
-    return selection.kept[0].tolist()
+    return selection.indices[0].tolist()
 
 
 @pytest.mark.parametrize("trial", range(200))

@@ -35,7 +35,7 @@ def _inputs(hidden: torch.Tensor, budget: int, vision_cls: torch.Tensor | None =
 
 
 def _kept(selection: Selection) -> list[list[int]]:
-    return selection.kept.tolist()
+    return selection.indices.tolist()
 
 
 def _random_inputs(budget: int, batch: int = 2, n_visual: int = 40, seed: int = 0) -> StageInputs:
@@ -53,24 +53,24 @@ def _random_inputs(budget: int, batch: int = 2, n_visual: int = 40, seed: int = 
 def test_keeps_exactly_k_ascending_int64(name: str, budget: int) -> None:
     selection = SELECTORS[name](_random_inputs(budget))
     assert selection.merge is None
-    assert selection.kept.dtype == torch.int64
-    assert tuple(selection.kept.shape) == (2, budget)
-    assert bool((selection.kept[:, 1:] > selection.kept[:, :-1]).all())
-    assert bool((selection.kept >= 0).all()) and bool((selection.kept < 40).all())
+    assert selection.indices.dtype == torch.int64
+    assert tuple(selection.indices.shape) == (2, budget)
+    assert bool((selection.indices[:, 1:] > selection.indices[:, :-1]).all())
+    assert bool((selection.indices >= 0).all()) and bool((selection.indices < 40).all())
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_batch_equals_each_row_alone(name: str) -> None:
     batch = _random_inputs(12, batch=3, seed=1)
-    together = SELECTORS[name](batch).kept
+    together = SELECTORS[name](batch).indices
     for row in range(3):
         alone = _inputs(batch.hidden[row : row + 1], 12, batch.vision_cls[row : row + 1])
-        assert torch.equal(SELECTORS[name](alone).kept[0], together[row])
+        assert torch.equal(SELECTORS[name](alone).indices[0], together[row])
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_rows_with_different_features_get_different_selections(name: str) -> None:
-    kept = SELECTORS[name](_random_inputs(8, seed=2)).kept
+    kept = SELECTORS[name](_random_inputs(8, seed=2)).indices
     assert not torch.equal(kept[0], kept[1])
 
 
@@ -78,7 +78,7 @@ def test_rows_with_different_features_get_different_selections(name: str) -> Non
 @pytest.mark.parametrize("budget", [40, 41, 1000])
 def test_budget_at_least_n_keeps_every_token(name: str, budget: int) -> None:
     selection = SELECTORS[name](_random_inputs(budget))
-    assert torch.equal(selection.kept, torch.arange(40).expand(2, 40))
+    assert torch.equal(selection.indices, torch.arange(40).expand(2, 40))
     assert selection.merge is None
 
 
@@ -87,13 +87,13 @@ def test_half_precision_input_gives_the_float32_answer(name: str) -> None:
     inputs = _random_inputs(10, seed=3)
     half = _inputs(inputs.hidden.half(), 10, inputs.vision_cls.half())
     rounded = _inputs(half.hidden.float(), 10, half.vision_cls.float())
-    assert torch.equal(SELECTORS[name](half).kept, SELECTORS[name](rounded).kept)
+    assert torch.equal(SELECTORS[name](half).indices, SELECTORS[name](rounded).indices)
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_deterministic(name: str) -> None:
     inputs = _random_inputs(10, seed=4)
-    assert torch.equal(SELECTORS[name](inputs).kept, SELECTORS[name](inputs).kept)
+    assert torch.equal(SELECTORS[name](inputs).indices, SELECTORS[name](inputs).indices)
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -237,9 +237,9 @@ def test_vispruner_ratio_one_is_top_k_by_cls_attention() -> None:
 
 def test_vispruner_ratio_zero_ignores_cls_attention_for_selection() -> None:
     inputs = _random_inputs(10, seed=5)
-    kept = vispruner(inputs, important_ratio=0.0).kept
+    kept = vispruner(inputs, important_ratio=0.0).indices
     assert tuple(kept.shape) == (2, 10)
-    assert not torch.equal(kept, vispruner(inputs, important_ratio=1.0).kept)
+    assert not torch.equal(kept, vispruner(inputs, important_ratio=1.0).indices)
 
 
 def test_vispruner_important_count_rounds_down() -> None:

@@ -113,9 +113,9 @@ def test_keeps_exactly_k_with_valid_merge_rows(name: str, budget: int) -> None:
         return
     selection = METHODS[name](inputs)
     count = _count(name, budget)
-    assert selection.kept.dtype == torch.int64
-    assert tuple(selection.kept.shape) == (2, count)
-    assert bool((selection.kept[:, 1:] > selection.kept[:, :-1]).all())
+    assert selection.indices.dtype == torch.int64
+    assert tuple(selection.indices.shape) == (2, count)
+    assert bool((selection.indices[:, 1:] > selection.indices[:, :-1]).all())
     if selection.merge is not None:
         merge = selection.merge
         assert merge.dtype == torch.float32 and tuple(merge.shape) == (2, count, 40)
@@ -124,7 +124,7 @@ def test_keeps_exactly_k_with_valid_merge_rows(name: str, budget: int) -> None:
             torch.testing.assert_close(merge.sum(-1), torch.ones(2, count))
         else:  # the authors' weights: the survivor itself with weight 1, plus what it absorbs
             assert bool((merge.sum(-1) >= 1).all())
-        own = merge.gather(2, selection.kept[:, :, None]).squeeze(2)  # [B, K]
+        own = merge.gather(2, selection.indices[:, :, None]).squeeze(2)  # [B, K]
         assert bool((own > 0).all()), "every survivor must merge its own slot"
 
 
@@ -134,7 +134,7 @@ def test_batch_equals_each_row_alone(name: str) -> None:
     together = METHODS[name](inputs)
     for b in range(2):
         alone = METHODS[name](_row(inputs, b))
-        torch.testing.assert_close(together.kept[b : b + 1], alone.kept, rtol=0, atol=0)
+        torch.testing.assert_close(together.indices[b : b + 1], alone.indices, rtol=0, atol=0)
         assert (together.merge is None) == (alone.merge is None)
         if alone.merge is not None:
             torch.testing.assert_close(together.merge[b : b + 1], alone.merge)
@@ -144,7 +144,7 @@ def test_batch_equals_each_row_alone(name: str) -> None:
 def test_deterministic_and_merges_something(name: str) -> None:
     inputs = _random_inputs(budget=12)
     first, second = METHODS[name](inputs), METHODS[name](inputs)
-    assert torch.equal(first.kept, second.kept)
+    assert torch.equal(first.indices, second.indices)
     assert first.merge is not None and torch.equal(first.merge, second.merge)
     rows_merging = (first.merge > 0).sum(-1) > 1  # [B, K]
     assert bool(rows_merging.any(dim=-1).all()), "each image should have at least one merged survivor"
@@ -154,7 +154,7 @@ def test_deterministic_and_merges_something(name: str) -> None:
 @pytest.mark.parametrize("budget", [40, 41, 1000])
 def test_budget_at_least_n_keeps_every_token(name: str, budget: int) -> None:
     selection = METHODS[name](_random_inputs(budget=budget))
-    assert torch.equal(selection.kept, torch.arange(40).expand(2, 40))
+    assert torch.equal(selection.indices, torch.arange(40).expand(2, 40))
     assert selection.merge is None
 
 
@@ -164,7 +164,7 @@ def test_half_precision_input_gives_the_float32_answer(name: str) -> None:
     half = _replace(inputs, hidden=inputs.hidden.half())
     expected = METHODS[name](_replace(inputs, hidden=half.hidden.float()))
     got = METHODS[name](half)
-    assert torch.equal(got.kept, expected.kept)
+    assert torch.equal(got.indices, expected.indices)
     torch.testing.assert_close(got.merge, expected.merge)
 
 
@@ -338,7 +338,7 @@ def _vz_inputs(budget: int = 4) -> StageInputs:
 
 def test_visionzip_dominant_and_contextual_groups_by_hand() -> None:
     selection = visionzip(_vz_inputs(), contextual_ratio=0.5, cls_takes_a_slot=False)
-    assert selection.kept.tolist() == [[0, 1, 2, 5]]
+    assert selection.indices.tolist() == [[0, 1, 2, 5]]
     assert selection.merge_space == "features"
     h = VZ_HIDDEN[0]
     # the authors' contextual token: the target plus the mean of the tokens that joined it
@@ -352,14 +352,14 @@ def test_visionzip_dominant_and_contextual_groups_by_hand() -> None:
 def test_visionzip_cls_takes_one_of_the_dominant_slots() -> None:
     # K = 4, C = 2: [CLS] + 1 dominant patch (0); the rest 1..7 in order, step 3: targets 1 and 4
     selection = visionzip(_vz_inputs(), contextual_ratio=0.5)
-    assert selection.kept.tolist() == [[0, 1, 4]]
+    assert selection.indices.tolist() == [[0, 1, 4]]
 
 
 def test_visionzip_without_contextual_tokens_is_top_k_cls() -> None:
     selection = visionzip(_vz_inputs(), contextual_ratio=0.0, cls_takes_a_slot=False)
-    assert selection.kept.tolist() == [[0, 1, 2, 7]]
+    assert selection.indices.tolist() == [[0, 1, 2, 7]]
     assert selection.merge is None
-    assert visionzip(_vz_inputs(), contextual_ratio=0.0).kept.tolist() == [[0, 2, 7]]
+    assert visionzip(_vz_inputs(), contextual_ratio=0.0).indices.tolist() == [[0, 2, 7]]
 
 
 def test_visionzip_default_split_is_53_plus_cls_plus_10_for_64() -> None:
@@ -372,7 +372,7 @@ def test_visionzip_default_split_is_53_plus_cls_plus_10_for_64() -> None:
         vision_keys=torch.ones(1, 1, n_visual, 2),
         vision_features=torch.randn(1, n_visual, 3),
     )
-    kept = visionzip(inputs).kept[0].tolist()
+    kept = visionzip(inputs).indices[0].tolist()
     targets = [53 + 52 * i for i in range(10)]  # R = 523 remaining, step 523 // 10 = 52
     assert kept == list(range(53)) + targets
 
@@ -395,7 +395,7 @@ def _pm_inputs(budget: int, cls: torch.Tensor, keys: torch.Tensor, features: tor
 
 def test_prumerge_neighbours_weighted_by_cls_attention_by_hand() -> None:
     selection = prumerge(_pm_inputs(2, PM_CLS, PM_KEYS, PM_HIDDEN), neighbours=2)
-    assert selection.kept.tolist() == [[0, 2]]
+    assert selection.indices.tolist() == [[0, 2]]
     assert selection.merge_space == "features"
     h = PM_HIDDEN[0]
     centre_0 = h[0] + 0.10 * h[4] + 0.10 * h[1]  # the authors' x_i + sum_j a_j x_j, not normalised
@@ -413,8 +413,8 @@ def _outlier_cls(n_outliers: int) -> torch.Tensor:
 
 def test_prumerge_adaptive_keeps_the_iqr_outliers_whatever_the_budget() -> None:
     inputs = _pm_inputs(5, _outlier_cls(2)[None], torch.randn(1, 12, 4), torch.randn(1, 12, 3))
-    assert prumerge(inputs, adaptive=True).kept.tolist() == [[10, 11]]
-    assert prumerge(inputs).kept.shape[1] == 5  # negative control: the fixed budget keeps K
+    assert prumerge(inputs, adaptive=True).indices.tolist() == [[10, 11]]
+    assert prumerge(inputs).indices.shape[1] == 5  # negative control: the fixed budget keeps K
 
 
 def test_prumerge_adaptive_with_different_counts_per_image_raises() -> None:
@@ -429,13 +429,13 @@ def test_prumerge_plus_fixed_budget_adds_evenly_spaced_tokens() -> None:
     cls[0, 0], cls[0, 5] = 0.5, 0.4
     inputs = _pm_inputs(8, cls, torch.randn(1, 16, 4), torch.randn(1, 16, 3))
     # ceil(8 / 4) = 2 by [CLS] (0, 5); 6 more at positions floor((i + 0.5) * 14 / 6) of the other 14 tokens
-    assert prumerge(inputs, plus=True).kept.tolist() == [[0, 2, 4, 5, 7, 10, 12, 14]]
+    assert prumerge(inputs, plus=True).indices.tolist() == [[0, 2, 4, 5, 7, 10, 12, 14]]
 
 
 def test_prumerge_plus_adaptive_adds_the_authors_grid() -> None:
     inputs = _pm_inputs(5, _outlier_cls(2)[None], torch.randn(1, 12, 4), torch.randn(1, 12, 3))
     # outliers 10, 11: ratio 2 / 12, int(int(1 / ratio) / 3) = 2: grid arange(0, 11, 2), 10 already kept
-    assert prumerge(inputs, adaptive=True, plus=True).kept.tolist() == [[0, 2, 4, 6, 8, 10, 11]]
+    assert prumerge(inputs, adaptive=True, plus=True).indices.tolist() == [[0, 2, 4, 6, 8, 10, 11]]
 
 
 def test_prumerge_plus_grid_stops_before_the_last_token() -> None:
@@ -444,7 +444,7 @@ def test_prumerge_plus_grid_stops_before_the_last_token() -> None:
     cls = torch.full((1, 16), 0.01)
     cls[0, 7] = 0.9
     inputs = _pm_inputs(5, cls, torch.randn(1, 16, 4), torch.randn(1, 16, 3))
-    assert prumerge(inputs, adaptive=True, plus=True).kept.tolist() == [[0, 5, 7, 10]]
+    assert prumerge(inputs, adaptive=True, plus=True).indices.tolist() == [[0, 5, 7, 10]]
 
 
 # --- SparseVLM and PriorTR+Merging by hand ----------------------------------------------------------
@@ -497,11 +497,11 @@ def test_sparsevlm_raters_are_chosen_from_the_input_embeddings() -> None:
     # K = 3 of 6: raters score 0, 1 at 0.3 and 2..5 at 0.1 (ties: lower index): kept 0, 1, 2; of the 3
     # pruned, int(0.9) + 1 = 1 is recycled as its own cluster, on top: 4 survivors.
     selection = sparsevlm(_text_inputs(rows, 3, text))
-    assert selection.kept.tolist() == [[0, 1, 2, 3]]
+    assert selection.indices.tolist() == [[0, 1, 2, 3]]
     # Negative control: every row rating (equal text embeddings) keeps token 4 and recycles token 2.
-    assert sparsevlm(_text_inputs(rows, 3)).kept.tolist() == [[0, 1, 2, 4]]
+    assert sparsevlm(_text_inputs(rows, 3)).indices.tolist() == [[0, 1, 2, 4]]
     # The budget-exact option fits the recycled cluster into K: kept 2 + 1 cluster.
-    assert sparsevlm(_text_inputs(rows, 3, text), recycling="in_budget").kept.tolist() == [[0, 1, 2]]
+    assert sparsevlm(_text_inputs(rows, 3, text), recycling="in_budget").indices.tolist() == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize("clustering", ["kmeans", "dpc_knn"])
@@ -509,14 +509,14 @@ def test_sparsevlm_recycles_pruned_tokens_into_cluster_means(clustering: str) ->
     scores = [[1.0, 0.9, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15]]
     inputs = _replace(_text_inputs(scores, 4), hidden=HIDDEN)
     selection = sparsevlm(inputs, recycling="in_budget", clustering=clustering, **RECYCLE_ALL)
-    assert selection.kept.tolist() == [[0, 1, 2, 3]]
+    assert selection.indices.tolist() == [[0, 1, 2, 3]]
     h = HIDDEN[0]
     expected = torch.stack([h[0], h[1], h[[2, 4, 6, 8]].mean(0), h[[3, 5, 7, 9]].mean(0)])
     torch.testing.assert_close(_merged(selection, HIDDEN)[0], expected)
     assert selection.merge[0, 1].tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]  # plainly kept: one-hot
     # The authors' default: the clusters come on top of K = 4 (kept 4, clusters 2 of the 6 pruned).
     on_top = sparsevlm(inputs, clustering=clustering, **RECYCLE_ALL)
-    assert on_top.kept.shape[1] == 4 + 2
+    assert on_top.indices.shape[1] == 4 + 2
 
 
 def _priortr_evidence() -> Evidence:
@@ -531,11 +531,11 @@ def test_priortr_merge_ranks_by_prior_corrected_score_and_merges_clusters() -> N
     selection = priortr_merge(inputs, **RECYCLE_ALL)
     # S ranks 1, 2 (kept), then 3..9 tied, then the sink 0; the 8 pruned form {0, 3, 5, 7, 9} (slot 3,
     # its highest S) and {4, 6, 8} (slot 4)
-    assert selection.kept.tolist() == [[1, 2, 3, 4]]
+    assert selection.indices.tolist() == [[1, 2, 3, 4]]
     h = HIDDEN[0]
     expected = torch.stack([h[1], h[2], h[[3, 5, 7, 9, 0]].mean(0), h[[4, 6, 8]].mean(0)])
     torch.testing.assert_close(_merged(selection, HIDDEN)[0], expected)
-    assert 0 not in selection.kept.tolist()[0]  # negative control: raw posterior would keep token 0 first
+    assert 0 not in selection.indices.tolist()[0]  # negative control: raw posterior would keep token 0 first
 
 
 def _rank_inputs(rows_per_image: list[list[list[float]]], valid: list[list[bool]]) -> StageInputs:
@@ -564,10 +564,10 @@ def test_priortr_merge_adaptive_keeps_the_attention_rank() -> None:
     inputs = _rank_inputs([RANK_2_ROWS], [[True, True, True, False]])
     selection = priortr_merge(inputs, adaptive=True)
     # kept 2 (S: tokens 1, 2), then 8 pruned: int(8 * 0.3) + 1 = 3 candidates, 1 cluster: total 3
-    assert selection.kept.shape[1] == 3
-    assert {1, 2} <= set(selection.kept[0].tolist())
+    assert selection.indices.shape[1] == 3
+    assert {1, 2} <= set(selection.indices[0].tolist())
     counted_padding = priortr_merge(_rank_inputs([RANK_2_ROWS], [[True] * 4]), adaptive=True)
-    assert counted_padding.kept.shape[1] == 4  # negative control: the fourth row raises the rank to 3
+    assert counted_padding.indices.shape[1] == 4  # negative control: the fourth row raises the rank to 3
 
 
 def test_priortr_merge_adaptive_with_different_totals_per_image_raises() -> None:
@@ -581,7 +581,7 @@ def test_priortr_merge_adaptive_ignores_the_budget() -> None:
     small, large = (
         priortr_merge(_replace(_rank_inputs([RANK_2_ROWS], valid), budget=k), adaptive=True) for k in (1, 9)
     )
-    assert torch.equal(small.kept, large.kept)
+    assert torch.equal(small.indices, large.indices)
 
 
 # --- SparseVLM schedule ---------------------------------------------------------------------------
@@ -628,10 +628,10 @@ def test_merge_space_decides_whether_rows_must_sum_to_one() -> None:
     kept = torch.tensor([[0, 2]])
     weights = torch.tensor([[[1.0, 0.5, 0.0], [0.0, 0.0, 1.0]]])
     with value_checks_enabled(True):
-        assert Selection(kept=kept, merge=weights, merge_space="features").merge_space == "features"
+        assert Selection(indices=kept, merge=weights, merge_space="features").merge_space == "features"
         with pytest.raises(ValueError, match="sum to 1"):
-            Selection(kept=kept, merge=weights)
+            Selection(indices=kept, merge=weights)
         with pytest.raises(ValueError, match="non-negative"):
-            Selection(kept=kept, merge=-weights, merge_space="features")
+            Selection(indices=kept, merge=-weights, merge_space="features")
     with pytest.raises(ValueError, match="merge_space must be one of"):
-        Selection(kept=kept, merge=weights, merge_space="pixels")
+        Selection(indices=kept, merge=weights, merge_space="pixels")

@@ -24,7 +24,7 @@ BUDGET = 4
 
 def _keep_first(inputs: StageInputs) -> Selection:
     batch = inputs.hidden.shape[0]
-    return Selection(kept=torch.arange(inputs.budget).expand(batch, inputs.budget))
+    return Selection(indices=torch.arange(inputs.budget).expand(batch, inputs.budget))
 
 
 @priortr.register_method(

@@ -68,7 +68,7 @@ def test_positions_put_the_row_breaks_back_between_the_rows():
     breaks = LINEAR_ROPE_ROW_BREAKS.breaks
     assert breaks((2, 2)) == (2,) and breaks((3, 4)) == (4, 8) and breaks((1, 5)) == ()
     short = [5, IMG, IMG, BREAK, END, 6]
-    slots = ImageSlots(offset=1, kept=2, tokens=4, grid=(2, 2), breaks=breaks((2, 2)))
+    slots = ImageSlots(offset=1, kept_count=2, tokens=4, grid=(2, 2), breaks=breaks((2, 2)))
     positions, delta = request_positions(short, [slots], IMG, linear_positions, 6)
     assert positions[0].tolist() == [0, 6, 6, 3, 6, 7]
     assert positions[1, 1:3].tolist() == [2, 2] and positions[2, 1:3].tolist() == [2, 2]

@@ -37,7 +37,7 @@ from priortr.integrations.vllm.request_layout import (
 )
 
 IMG = 9  # an image placeholder id
-RECORD = ImageRecord(prompt_length=67, kept=4, encoded=16, unpruned_length=91)  # 67 + 16 - 4 <= 91
+RECORD = ImageRecord(prompt_length=67, kept_count=4, encoded=16, unpruned_length=91)  # 67 + 16 - 4 <= 91
 
 
 def image(data: dict | None, modality: str = "image") -> SimpleNamespace:
@@ -87,12 +87,12 @@ def test_a_partial_record_is_refused():
 
 
 def test_a_request_records_one_pair_of_lengths():
-    other = ImageRecord(prompt_length=67, kept=2, encoded=8, unpruned_length=91)
+    other = ImageRecord(prompt_length=67, kept_count=2, encoded=8, unpruned_length=91)
     features = [image(RECORD.fields()), image({"pixel_values": 0}), image(other.fields())]
     assert recorded_lengths(features) == RequestLengths(prompt=67, unpruned=91)
     assert recorded_lengths([image({"pixel_values": 0}), image(None)]) is None
     assert recorded_lengths([]) is None
-    longer = ImageRecord(prompt_length=68, kept=2, encoded=8, unpruned_length=91)
+    longer = ImageRecord(prompt_length=68, kept_count=2, encoded=8, unpruned_length=91)
     with pytest.raises(RuntimeError, match=r"different lengths \[\(67, 91\), \(68, 91\)\]"):
         recorded_lengths([image(RECORD.fields()), image(longer.fields())])
 
@@ -115,11 +115,11 @@ def test_the_slot_record_round_trips_through_the_request_positions():
     decoding continues at 6 = 4 + 2."""
     record = SlotRecord(prompt_length=4, grid=(1, 4))
     assert record.encode(torch.long).tolist() == [4, 1, 4]
-    slots = ImageSlots(offset=1, kept=2, tokens=4, grid=(1, 4))
+    slots = ImageSlots(offset=1, kept_count=2, tokens=4, grid=(1, 4))
     positions, delta = request_positions([5, IMG, IMG, 6], [slots], IMG, linear_positions, 4)
     assert positions.tolist() == [[0, 4, 4, 5], [0, 1, 1, 5], [0, 4, 4, 5]]
     assert delta == 2
-    assert SlotRecord.decode(positions.tolist(), row=1, kept=2) == record
+    assert SlotRecord.decode(positions.tolist(), row=1, kept_count=2) == record
 
 
 @pytest.mark.parametrize(

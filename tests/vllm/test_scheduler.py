@@ -38,7 +38,7 @@ def pruned_stand_in(unpruned: int = UNPRUNED_PROMPT) -> SimpleNamespace:
     """A pruned request as the processor sends it: its image carries the record (vLLM's field
     elements, read through ``.data``; this image keeps its 4 tokens, so the encoder charges are
     vLLM's own); the other item carries none."""
-    record = ImageRecord(prompt_length=PROMPT, kept=4, encoded=4, unpruned_length=unpruned).fields()
+    record = ImageRecord(prompt_length=PROMPT, kept_count=4, encoded=4, unpruned_length=unpruned).fields()
     image = feature(data={"pixel_values": 0, **record})
     image.mm_position = SimpleNamespace(get_num_embeds=lambda: 4)
     return stand_in(feature(data={"pixel_values": 0}), image)

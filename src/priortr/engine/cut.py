@@ -41,7 +41,7 @@ class Decision:
     @property
     def changes(self) -> bool:
         """Whether the decision drops or merges any of the group's tokens."""
-        return self.selection.kept.shape[1] < self.group.size or self.selection.merge is not None
+        return self.selection.indices.shape[1] < self.group.size or self.selection.merge is not None
 
 
 def cut(
@@ -65,7 +65,7 @@ def cut(
     lengths = list(text_tokens)
     for decision in decisions:
         group = decision.group
-        kept = decision.selection.kept.to(group.columns.device)  # [G, k]
+        kept = decision.selection.indices.to(group.columns.device)  # [G, k]
         keep[group.rows[:, None], group.columns.gather(1, kept)] = True
         for pool in group.pools:
             lengths[pool.row] += kept.shape[1]
@@ -97,7 +97,7 @@ def cut(
     for decision in decisions:
         for i, pool in zip(decision.group.indices, _narrowed(decision), strict=True):
             pools[i] = pool
-    kept = sequence.kept(index, None if filler is None else filler.gather(1, index))
+    kept = sequence.after_cut(index, None if filler is None else filler.gather(1, index))
     return out, StageState(tuple(pools), kept)
 
 
@@ -109,7 +109,7 @@ def _merge(out: torch.Tensor, slot: torch.Tensor, decision: Decision) -> None:
     else:
         dtype = torch.promote_types(out.dtype, torch.float32)
         merged = torch.matmul(selection.merge.to(out.device, dtype), decision.hidden.to(out.device, dtype))
-    kept_columns = group.columns.gather(1, selection.kept.to(group.columns.device))  # [G, k]
+    kept_columns = group.columns.gather(1, selection.indices.to(group.columns.device))  # [G, k]
     rows = group.rows[:, None]
     out[rows, slot[rows, kept_columns]] = merged.to(out.dtype)
 
@@ -130,8 +130,8 @@ def _merge_features(decision: Decision) -> torch.Tensor:
 
 def _narrowed(decision: Decision) -> list[Pool]:
     """The group's pools narrowed to the tokens that survived."""
-    group, kept = decision.group, decision.selection.kept.to(decision.group.positions.device)
+    group, kept = decision.group, decision.selection.indices.to(decision.group.positions.device)
     positions, item_of, offset = (
         values.gather(1, kept) for values in (group.positions, group.item_of, group.offset)
     )
-    return [pool.kept(positions[g], item_of[g], offset[g]) for g, pool in enumerate(group.pools)]
+    return [pool.after_cut(positions[g], item_of[g], offset[g]) for g, pool in enumerate(group.pools)]

@@ -38,7 +38,7 @@ class KeptRun(NamedTuple):
 
     start: int
     size: int
-    kept: int
+    kept_count: int
 
 
 def kept_runs(

@@ -45,7 +45,7 @@ class Pool:
     def size(self) -> int:
         return int(self.positions.numel())
 
-    def kept(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> Pool:
+    def after_cut(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> Pool:
         """The pool of the surviving tokens, given as their positions, items and offsets (ascending)."""
         return replace(self, positions=positions, item_of=item_of, offset=offset)
 

@@ -71,7 +71,7 @@ class SequenceMap:
         """[B, S'] the columns a query may attend to: neither padding nor filler."""
         return self.valid if self.filler is None else self.valid & ~self.filler
 
-    def kept(self, index: torch.Tensor, filler: torch.Tensor | None) -> SequenceMap:
+    def after_cut(self, index: torch.Tensor, filler: torch.Tensor | None) -> SequenceMap:
         """The sequence of the columns ``index`` [B, S''] (fillers first, then the kept ones ascending);
         ``filler`` flags the new fillers among them."""
         return SequenceMap(

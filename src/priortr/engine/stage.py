@@ -112,9 +112,9 @@ def decide(
     """The method's selection for ``group`` from its ``inputs``, checked against the group's size."""
     method = config.method
     selection = method.select(inputs, **config.options)
-    if selection.kept.shape[0] != len(group.pools) or selection.kept.shape[1] > group.size:
+    if selection.indices.shape[0] != len(group.pools) or selection.indices.shape[1] > group.size:
         raise ValueError(
-            f"method {method.name!r} kept {tuple(selection.kept.shape)} visual tokens for "
+            f"method {method.name!r} kept {tuple(selection.indices.shape)} visual tokens for "
             f"{len(group.pools)} images of {group.size} tokens"
         )
     return Decision(group, selection, inputs.hidden, inputs.vision_features, project, inputs.attention)

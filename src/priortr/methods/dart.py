@@ -123,4 +123,4 @@ def dart(inputs: StageInputs, *, image_pivots: int = 4, text_pivots: int = 4) ->
     _check_evidence(inputs, text_pivots)
     fields = zip(*(getattr(inputs, name) for name in _EVIDENCE), strict=True)
     rows = [_dart_row(*row, budget, image_pivots, text_pivots) for row in fields]
-    return Selection(kept=torch.stack(rows))
+    return Selection(indices=torch.stack(rows))

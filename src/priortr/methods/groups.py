@@ -64,5 +64,5 @@ def stack_merges(per_image: list[list[Group]], n_visual: int) -> Selection:
     merges = [merge_rows(groups, n_visual) for groups in per_image]
     kept = torch.stack([slots for slots, _ in merges])  # [B, K]
     if all(group.members.numel() == 1 for groups in per_image for group in groups):
-        return Selection(kept=kept)
-    return Selection(kept=kept, merge=torch.stack([merge for _, merge in merges]))  # [B, K, N]
+        return Selection(indices=kept)
+    return Selection(indices=kept, merge=torch.stack([merge for _, merge in merges]))  # [B, K, N]

@@ -132,7 +132,7 @@ def prumerge(
         order = selected.argsort()
         kept.append(selected[order])
         merges.append(_merge_rows(cls[b], keys[b], selected, neighbours)[order])
-    return Selection(kept=torch.stack(kept), merge=torch.stack(merges), merge_space="features")
+    return Selection(indices=torch.stack(kept), merge=torch.stack(merges), merge_space="features")
 
 
 @register_method(

@@ -167,7 +167,7 @@ def register_method(
 def _rule_selector(rule: Rule, inputs: StageInputs) -> Selection:
     """The ``inputs.budget`` highest scores of ``rule`` (paper Eq. (8) for PriorTR)."""
     scores = rule(inputs.attention)
-    return Selection(kept=select_top_k(scores, inputs.budget), scores=scores)
+    return Selection(indices=select_top_k(scores, inputs.budget), scores=scores)
 
 
 def register_rule(

@@ -91,7 +91,7 @@ class Selection:
     """A selector's decision for one stage.
 
     Attributes:
-        kept: [B, K] int64 indices into the stage's N visual tokens, strictly ascending per row.
+        indices: [B, K] int64 indices into the stage's N visual tokens, strictly ascending per row.
         merge: None for plain pruning (survivors keep their own hidden states), or float [B, K, N]
             with non-negative rows summing to 1: survivor k's hidden state becomes
             ``merge[b, k] @ hidden[b]`` (token merging). A survivor's KV-cache entries of earlier
@@ -103,16 +103,16 @@ class Selection:
             (reported in ``handle.last`` and drawn by ``priortr viz``); None otherwise.
     """
 
-    kept: torch.Tensor
+    indices: torch.Tensor
     merge: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     merge_space: str = "hidden"
 
     def __post_init__(self) -> None:
         """Reject a decision the engine could not apply consistently."""
-        kept = self.kept
+        kept = self.indices
         if kept.ndim != 2 or kept.dtype != torch.int64:
-            raise ValueError(f"Selection.kept must be int64 [B, K], got {kept.dtype} {tuple(kept.shape)}")
+            raise ValueError(f"Selection.indices must be int64 [B, K], got {kept.dtype} {tuple(kept.shape)}")
         merge = self.merge
         if merge is not None and (merge.ndim != 3 or tuple(merge.shape[:2]) != tuple(kept.shape)):
             raise ValueError(
@@ -124,7 +124,7 @@ class Selection:
         if not value_checks():
             return
         if kept.shape[1] > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
-            raise ValueError("Selection.kept must be strictly ascending in every row")
+            raise ValueError("Selection.indices must be strictly ascending in every row")
         if merge is not None:
             if bool((merge < 0).any()):
                 raise ValueError("Selection.merge rows must be non-negative")
@@ -135,11 +135,11 @@ class Selection:
 
 def top_k(scores: torch.Tensor, budget: int) -> Selection:
     """Plain pruning that keeps the ``budget`` highest ``scores`` [B, N] of each row."""
-    return Selection(kept=select_top_k(scores, budget), scores=scores)
+    return Selection(indices=select_top_k(scores, budget), scores=scores)
 
 
 def keep_all(inputs: StageInputs) -> Selection:
     """Every visual token survives unchanged (a budget of at least N)."""
     batch, n_visual = inputs.hidden.shape[:2]
     kept = torch.arange(n_visual, device=inputs.hidden.device).expand(batch, n_visual)  # [B, N]
-    return Selection(kept=kept.contiguous())
+    return Selection(indices=kept.contiguous())

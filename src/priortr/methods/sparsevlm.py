@@ -191,4 +191,4 @@ def sparsevlm(
         for image_scores, hidden in zip(scores, inputs.hidden, strict=True)
     ]
     selection = stack_merges(merges, n_visual)
-    return Selection(kept=selection.kept, merge=selection.merge, scores=scores)
+    return Selection(indices=selection.indices, merge=selection.merge, scores=scores)

@@ -20,4 +20,4 @@ def descending(scores: torch.Tensor) -> torch.Tensor:
 
 def stack_rows(rows: list[torch.Tensor]) -> Selection:
     """Stack per-image index sets [K] into a Selection with ascending rows [B, K]."""
-    return Selection(kept=torch.stack([row.sort().values for row in rows]))
+    return Selection(indices=torch.stack([row.sort().values for row in rows]))

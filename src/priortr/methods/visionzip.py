@@ -105,7 +105,7 @@ def visionzip(
         _visionzip_row(cls[b], keys[b].mean(dim=0), n_dominant, n_contextual) for b in range(cls.shape[0])
     ]
     return Selection(
-        kept=torch.stack([kept for kept, _ in rows]),
+        indices=torch.stack([kept for kept, _ in rows]),
         merge=torch.stack([merge for _, merge in rows]),
         merge_space="features",
     )

@@ -156,7 +156,7 @@ class PruningModel:
             images.append(StepImage(first, taken, embeddings))
         if any(image.pruned for image in images):
             self._step = StepInputs(input_ids.tolist(), images)
-        merged = [image.embeddings[: image.kept] for image in images]
+        merged = [image.embeddings[: image.kept_count] for image in images]
         return super().embed_input_ids(input_ids, merged, is_multimodal=is_multimodal)
 
     def _encoder_width(self) -> int:

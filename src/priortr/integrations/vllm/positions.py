@@ -41,7 +41,7 @@ class ImageSlots:
     those text tokens right after the K slots (``request_layout.shrink_prompt``)."""
 
     offset: int
-    kept: int
+    kept_count: int
     tokens: int
     grid: tuple[int, int]
     breaks: tuple[int, ...] = ()
@@ -102,13 +102,15 @@ def request_positions(
     prompt_length: int | None,
 ) -> tuple[torch.Tensor, int]:
     """[3, P] positions and delta of P scheduled tokens (a prompt, or after a preemption under Model
-    Runner V2 a prompt and its generated tokens) whose images keep ``images[i].kept`` of their tokens;
+    Runner V2 a prompt and its generated tokens) whose images keep ``images[i].kept_count`` of their tokens;
     ``full_positions`` is the family's rule for the tokens with every image whole; ``prompt_length`` is
     the prompt's own length as the processor recorded it (None for a request that prunes nothing)."""
     ordered = sorted(images, key=lambda image: image.offset)
-    if all(image.kept == image.tokens for image in ordered):
+    if all(image.kept_count == image.tokens for image in ordered):
         return full_positions(prompt, [image.offset for image in ordered])
-    if prompt_length is None or not ordered[-1].offset + ordered[-1].kept <= prompt_length <= len(prompt):
+    if prompt_length is None or not ordered[-1].offset + ordered[-1].kept_count <= prompt_length <= len(
+        prompt
+    ):
         raise RuntimeError(
             f"priortr: a pruned request of {len(prompt)} tokens came with the prompt length "
             f"{prompt_length}; its images must carry the length the plug-in's processor recorded"
@@ -121,8 +123,8 @@ def request_positions(
         source += range(len(full), len(full) + image.offset - cursor)
         full += prompt[cursor : image.offset]
         starts.append(len(full))
-        source += [-1] * image.kept
-        rows = break_rows(image.offset, image.kept, len(image.breaks))
+        source += [-1] * image.kept_count
+        rows = break_rows(image.offset, image.kept_count, len(image.breaks))
         placed = 0
         for before, row in zip(image.breaks, rows, strict=True):  # text inside the image: after its slots
             full += [token_id] * (before - placed)
@@ -139,7 +141,7 @@ def request_positions(
     short[:, text] = positions[:, torch.tensor([s for s in source if s >= 0], dtype=torch.long)]
     for image in ordered:
         record = SlotRecord(prompt_length, image.grid).encode(positions.dtype)
-        short[:, image.offset : image.offset + image.kept] = record[:, None]
+        short[:, image.offset : image.offset + image.kept_count] = record[:, None]
     return short, int(positions.max()) + 1 - len(prompt)
 
 

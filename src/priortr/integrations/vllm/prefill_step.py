@@ -41,12 +41,12 @@ class StepImage:
     placeholders in the step."""
 
     row: int
-    kept: int
+    kept_count: int
     embeddings: torch.Tensor
 
     @property
     def pruned(self) -> bool:
-        return self.kept < self.embeddings.shape[0]
+        return self.kept_count < self.embeddings.shape[0]
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def plan_step(
             pending = next(images, None)
         if not any(image.pruned for image in own):
             continue
-        length = SlotRecord.decode(positions, own[0].row, own[0].kept).prompt_length
+        length = SlotRecord.decode(positions, own[0].row, own[0].kept_count).prompt_length
         if seq_lens[request] != end - start or end - start < length:
             raise RuntimeError(
                 "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
@@ -157,7 +157,7 @@ def _plan_prompt(
         columns.append(
             torch.tensor([[p[r] for r in range(row, image.row)] for p in positions], dtype=torch.long)
         )
-        record = SlotRecord.decode(positions, image.row, image.kept)
+        record = SlotRecord.decode(positions, image.row, image.kept_count)
         grid, n_tokens = record.grid, image.embeddings.shape[0]
         if grid[0] * grid[1] != n_tokens or record.prompt_length != length:
             raise RuntimeError(
@@ -165,7 +165,7 @@ def _plan_prompt(
                 f"its encoder gave {n_tokens} in a prompt of {length}"
             )
         breaks = layout.breaks(grid)
-        rows = break_rows(image.row, image.kept, len(breaks))
+        rows = break_rows(image.row, image.kept_count, len(breaks))
         first = len(token_ids)
         columns_of_breaks = [first + before + index for index, before in enumerate(breaks)]
         token_ids += [image_token] * (n_tokens + len(breaks))
@@ -177,9 +177,9 @@ def _plan_prompt(
         placed.append((torch.tensor(embedded, dtype=torch.long), image.embeddings))
         columns.append(layout.image_positions(base, grid))
         if adjacent:
-            counts[-1] += image.kept
+            counts[-1] += image.kept_count
         else:
-            counts.append(image.kept)
+            counts.append(image.kept_count)
         row = rows.stop
     for r in range(row, start + length):
         text_columns.append(len(token_ids))

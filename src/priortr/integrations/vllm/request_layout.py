@@ -55,14 +55,14 @@ class ImageRecord:
     """
 
     prompt_length: int
-    kept: int
+    kept_count: int
     encoded: int
     unpruned_length: int
 
     def __post_init__(self) -> None:
         if not (
-            1 <= self.kept <= min(self.encoded, self.prompt_length)
-            and self.prompt_length + self.encoded - self.kept <= self.unpruned_length
+            1 <= self.kept_count <= min(self.encoded, self.prompt_length)
+            and self.prompt_length + self.encoded - self.kept_count <= self.unpruned_length
         ):
             raise RuntimeError(
                 f"priortr: an image's record {self} is not one the plug-in's processor writes (1 <= kept "
@@ -160,15 +160,15 @@ class SlotRecord:
         return torch.tensor([self.prompt_length, *self.grid], dtype=dtype)
 
     @classmethod
-    def decode(cls, positions: Sequence[Sequence[int]], row: int, kept: int) -> SlotRecord:
-        """The record in host positions [3][T] of the K = ``kept`` slots from ``row``; refused unless
+    def decode(cls, positions: Sequence[Sequence[int]], row: int, kept_count: int) -> SlotRecord:
+        """The record in host positions [3][T] of the K = ``kept_count`` slots from ``row``; refused unless
         every slot holds the same positive values (an image whose slots hold positions instead: the
         request's positions were not given by ``positions.request_positions``)."""
-        held = {tuple(channel[r] for channel in positions) for r in range(row, row + kept)}
+        held = {tuple(channel[r] for channel in positions) for r in range(row, row + kept_count)}
         if len(held) != 1 or min(next(iter(held))) < 1:
             raise RuntimeError(
-                f"priortr: a pruned image's {kept} slots from row {row} hold {sorted(held)}, not the one "
-                "(prompt length, grid height, grid width) its positions were given; is another plug-in "
+                f"priortr: a pruned image's {kept_count} slots from row {row} hold {sorted(held)}, not the "
+                "one (prompt length, grid height, grid width) its positions were given; is another plug-in "
                 "changing the request's positions?"
             )
         ((length, height, width),) = held
@@ -205,7 +205,7 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
     new: list[PlaceholderRange | None] = [None] * len(ranges)
     cursor = 0
     for i in order:
-        span, kept = ranges[i], counts[i]
+        span, kept_count = ranges[i], counts[i]
         first, _ = embedded_tokens(span)
         inside = first - span.offset
         tokens = prompt[span.offset : span.offset + span.length]
@@ -213,10 +213,10 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
         after = [
             token for token, embedded in zip(tokens[inside:], flags[inside:], strict=True) if not embedded
         ]
-        short = [*tokens[:inside], *[prompt[first]] * kept, *after]
+        short = [*tokens[:inside], *[prompt[first]] * kept_count, *after]
         is_embed = None
         if span.is_embed is not None:
-            is_embed = torch.tensor([False] * inside + [True] * kept + [False] * len(after))
+            is_embed = torch.tensor([False] * inside + [True] * kept_count + [False] * len(after))
         out += prompt[cursor : span.offset]
         new[i] = PlaceholderRange(offset=len(out), length=len(short), is_embed=is_embed)
         out += short
@@ -225,7 +225,7 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
     return out, new
 
 
-def break_rows(first_slot: int, kept: int, breaks: int) -> range:
+def break_rows(first_slot: int, kept_count: int, breaks: int) -> range:
     """The rows, in a short prompt, of the ``breaks`` text tokens inside an image's layout whose K =
-    ``kept`` slots start at ``first_slot``: right after the slots, as ``shrink_prompt`` lays them."""
-    return range(first_slot + kept, first_slot + kept + breaks)
+    ``kept_count`` slots start at ``first_slot``: right after the slots, as ``shrink_prompt`` lays them."""
+    return range(first_slot + kept_count, first_slot + kept_count + breaks)
