@@ -71,5 +71,5 @@ def test_documented_deviation_never_picks_a_token_twice():
     hidden = torch.cat([base, base, base])  # every token has two exact duplicates
     official = official_divprune(hidden, 5)
     selection = priortr.get_method("divprune").select(StageInputs(budget=5, hidden=hidden[None]))
-    assert selection.kept.shape == (1, 5) and selection.kept[0].unique().numel() == 5
+    assert selection.indices.shape == (1, 5) and selection.indices[0].unique().numel() == 5
     assert len(set(official)) < 5, official  # the authors' code repeats a pick here
