@@ -146,6 +146,24 @@ def test_pruning_attached_after_a_compiled_vanilla_call_prunes(two_layers, compi
     assert torch.equal(_forward(model, batch), vanilla)
 
 
+def test_a_multi_stage_method_compiles_with_one_break_at_most_per_stage(compiled_model):
+    """PyramidDrop on four layers: three stages, each inside the graphs."""
+    model = tiny_llava()
+    batch = llava_batch(model, batch_size=1).kwargs()
+    vanilla = _vanilla(model, batch)
+    with priortr.apply(model, method="pdrop", budget=4) as handle:
+        eager_logits, eager_kept = _forward(model, batch), _kept(handle)
+        stages = len(handle.last.stages)
+        assert stages > 1
+        compiled_model(model)
+        pruned = _compiled(model, batch, handle)
+    assert pruned.breaks <= vanilla.breaks + stages
+    assert pruned.graphs <= vanilla.graphs
+    assert pruned.new_graphs == 0
+    assert torch.equal(pruned.kept, eager_kept)
+    torch.testing.assert_close(pruned.logits, eager_logits, rtol=0, atol=1e-10)
+
+
 def test_a_second_thread_on_a_compiled_model_is_refused_while_a_prefill_runs(two_layers, compiled_model):
     """A compiled hook serves every thread: a call of another thread while one thread's prefill is armed
     is refused with the fix named, not run on that prefill's hooks. The eager model serves both."""

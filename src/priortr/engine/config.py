@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from priortr.methods import MethodInfo, get_method
@@ -50,8 +48,10 @@ class PruningConfig:
     ``layer+1 ..`` run on the kept tokens (the authors' code calls this "prune layer layer+1"). A method
     that prunes before the language model or on its own schedule has no layer (None).
     ``stages`` replaces the method's schedule by explicit (scored layer, budget) pairs, the budgets
-    counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs
-    (read-only: a configuration is frozen, and the vLLM plug-in shares one across requests).
+    counting or taking a ratio of the image's visual tokens. ``options`` are the selector's knobs as
+    (name, value) pairs sorted by name (``dict(config.options)`` reads them): a tuple, since a
+    configuration is frozen (the vLLM plug-in shares one across requests) and a compiled stage reads
+    it without a graph break (dynamo breaks on a ``MappingProxyType`` once a dict has changed).
     ``posterior_rows`` chooses the rows averaged into P (``POSTERIOR_ROWS``): the separator and every
     prompt token after it (default, the paper's j >= i_e), the tokens after it only, the separator to
     the token before the last (the authors' Qwen code), or the last prompt token only.
@@ -66,7 +66,7 @@ class PruningConfig:
     budget: int | float
     layer: int | None
     stages: tuple[tuple[int, int | float], ...] | None = None
-    options: Mapping[str, Any] = field(default_factory=partial(MappingProxyType, {}))
+    options: tuple[tuple[str, Any], ...] = ()
     heads: str = "mean"
     posterior_rows: str = "from_separator"
     separator_offset: int = 0
@@ -259,8 +259,9 @@ def _check_stages(
     return stages
 
 
-def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """The method's knobs ``options`` checked, as a read-only copy (the configuration is frozen)."""
+def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """The method's knobs ``options`` checked, as (name, value) pairs sorted by name (the configuration
+    is frozen)."""
     if options is not None and not isinstance(options, Mapping):
         raise ValueError(f"options must be a dict of the method's knobs by name; got {options!r}")
     options = dict(options or {})
@@ -270,7 +271,7 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> Mappi
         raise ValueError(f"{info.name} has no option {', '.join(unknown)}; its options: {known}")
     if info.check_knobs is not None:
         info.check_knobs(**{**info.knobs, **options})
-    return MappingProxyType(options)
+    return tuple(sorted(options.items()))
 
 
 def check_grids(config: PruningConfig, adapter: FamilyAdapter) -> None:

@@ -60,7 +60,7 @@ def cut(
     survivors, the sequence map of the kept columns.
     """
     sequence = state.sequence
-    unranked = [pool for pool in state.pools if layer not in pool.stages]
+    unranked = [pool for pool in state.pools if layer not in pool.layers]
     keep = ~sequence.visual  # [B, S'] text and padding always stay
     lengths = list(text_tokens)
     for decision in decisions:

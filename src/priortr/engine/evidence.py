@@ -260,7 +260,7 @@ def grid_fields(sources: Sources, group: PoolGroup) -> dict[str, Any]:
     """Each pool's image grid (h, w) at the pool's first stage, None at its later ones (``grids``): the
     grid a stage's cut has thinned out is no longer whole."""
     layer = BEFORE_LLM if sources.scored is None else sources.scored.index
-    return {"grids": tuple(pool.items[0].grid if layer == min(pool.stages) else None for pool in group.pools)}
+    return {"grids": tuple(pool.items[0].grid if layer == pool.layers[0] else None for pool in group.pools)}
 
 
 GATHERERS: dict[frozenset[str], Gatherer] = {

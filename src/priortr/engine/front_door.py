@@ -53,7 +53,7 @@ def kept_runs(
     if host is None:
         return []
     return [
-        KeptRun(int(pool.positions[0]), pool.size, min(pool.stages[config.layer], pool.size))
+        KeptRun(int(pool.positions[0]), pool.size, min(pool.kept_count(config.layer), pool.size))
         for pool in host.pools
     ]
 

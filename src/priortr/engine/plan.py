@@ -247,7 +247,7 @@ def plan_on_host(
     n_visual, n_valid = torch.stack([visual.sum(dim=1), valid.sum(dim=1)]).tolist()  # [B] each, one read
     return HostPlan(
         pools=tuple(pools),
-        stages=tuple(sorted({layer for pool in pools for layer in pool.stages})),
+        stages=tuple(sorted({layer for pool in pools for layer in pool.layers})),
         visual=visual,
         text_tokens=[seq - count for count in n_visual],
         padded=any(count < seq for count in n_valid),

@@ -10,9 +10,8 @@ budget. A ratio budget is the same ratio of every pool.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 
 import torch
 
@@ -26,8 +25,9 @@ class Pool:
 
     ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
     position, which of ``items`` it belongs to, and its index among that item's tokens (which the
-    vision tower's outputs are indexed by). ``stages`` maps a scored layer to the tokens kept after it
-    (read-only: the plan is frozen).
+    vision tower's outputs are indexed by). ``stages`` holds (scored layer, tokens kept after it) pairs,
+    ascending by layer: a tuple, so that the plan stays frozen and a compiled stage reads it without a
+    graph break (dynamo traces tuples; it breaks on a ``MappingProxyType``).
     ``row_index`` [1] is ``row`` as a tensor beside the others, so that a stage indexes the batch by
     it without making a tensor from host data.
     """
@@ -35,7 +35,7 @@ class Pool:
     row: int
     items: tuple[VisualItem, ...]
     separators: tuple[int, ...]  # absolute prior slot of each item
-    stages: Mapping[int, int]
+    stages: tuple[tuple[int, int], ...]
     positions: torch.Tensor
     item_of: torch.Tensor
     offset: torch.Tensor
@@ -44,6 +44,18 @@ class Pool:
     @property
     def size(self) -> int:
         return int(self.positions.numel())
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The scored layers of this pool's stages, ascending."""
+        return tuple(layer for layer, _ in self.stages)
+
+    def kept_count(self, layer: int) -> int:
+        """The tokens this pool keeps after its stage at scored ``layer`` (one of ``layers``)."""
+        for scored, kept in self.stages:
+            if scored == layer:
+                return kept
+        raise KeyError(f"priortr: pool has no stage at layer {layer}; its stages are at {self.layers}")
 
     def after_cut(self, positions: torch.Tensor, item_of: torch.Tensor, offset: torch.Tensor) -> Pool:
         """The pool of the surviving tokens, given as their positions, items and offsets (ascending)."""
@@ -99,7 +111,7 @@ def make_pools(
                 row=group.row,
                 items=items,
                 separators=tuple(item.separator + separator_offset for item in items),
-                stages=MappingProxyType(dict(schedule)),
+                stages=tuple(sorted(dict(schedule).items())),
                 positions=torch.cat([item.positions for item in items]),
                 item_of=torch.cat(
                     [torch.full((item.size,), i, device=device) for i, item in enumerate(items)]

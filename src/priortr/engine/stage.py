@@ -78,9 +78,10 @@ def groups(state: StageState, layer: int, by_input_size: bool = False) -> list[P
     sequence = state.sequence
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for index, pool in enumerate(state.pools):
-        if layer in pool.stages:
+        if layer in pool.layers:
             input_size = sum(item.size for item in pool.items) if by_input_size else 0
-            by_key.setdefault((pool.size, min(pool.stages[layer], pool.size), input_size), []).append(index)
+            budget = min(pool.kept_count(layer), pool.size)
+            by_key.setdefault((pool.size, budget, input_size), []).append(index)
     out = []
     for (_, budget, _), indices in by_key.items():
         pools = [state.pools[i] for i in indices]
@@ -111,7 +112,7 @@ def decide(
 ) -> Decision:
     """The method's selection for ``group`` from its ``inputs``, checked against the group's size."""
     method = config.method
-    selection = method.select(inputs, **config.options)
+    selection = method.select(inputs, **dict(config.options))
     if selection.indices.shape[0] != len(group.pools) or selection.indices.shape[1] > group.size:
         raise ValueError(
             f"method {method.name!r} kept {tuple(selection.indices.shape)} visual tokens for "
