@@ -21,7 +21,7 @@ from priortr.adapters.base import VisualItem
 @dataclass(frozen=True)
 class Pool:
     """The visual tokens of one row that are ranked together, as they stand before a stage (a stage's
-    cut makes the narrowed pool, ``kept``).
+    cut makes the narrowed pool, ``after_cut``).
 
     ``positions``, ``item_of`` and ``offset`` are aligned [n]: a surviving token's absolute prompt
     position, which of ``items`` it belongs to, and its index among that item's tokens (which the
