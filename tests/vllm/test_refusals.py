@@ -20,7 +20,7 @@ from priortr.integrations.vllm.config_hooks import (
     unserved_hook,
 )
 from priortr.integrations.vllm.decoder import check_backend
-from priortr.integrations.vllm.registration import UNSERVED
+from priortr.integrations.vllm.registration import FAMILIES, UNSERVED
 from priortr.integrations.vllm.scheduler import PruningScheduler
 from priortr.integrations.vllm.settings import (
     STEP_LIMIT_KEY,
@@ -291,6 +291,27 @@ def test_internvl_chat_model_is_refused_with_its_reason():
     stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
     hook.verify_and_update_config(stock)
     assert "InternVLForConditionalGeneration" not in UNSERVED
+
+
+def test_each_familys_hook_reads_the_rope_kind_from_its_model_class():
+    """The config hook of a served family takes the family's layout from its plug-in model class (the
+    one place the rope kind is stated): a 1-D RoPE family's served config gets per-request positions on
+    all three M-RoPE channels, an M-RoPE family's keeps its own sections, a stock config neither."""
+    load_general_plugins()
+    sections = {}
+    for family in FAMILIES:
+        hook = MODELS_CONFIG_MAP[family.architecture]
+        assert hook.layout is family.model.layout, family.architecture
+        served = SimpleNamespace(hf_config=SimpleNamespace(priortr={"method": "priortr", "budget": 4}))
+        served.hf_config.get_text_config = lambda: SimpleNamespace(num_hidden_layers=4)
+        hook.verify_and_update_model_config(served)
+        sections[family.architecture] = getattr(served.hf_config, "mrope_section", None)
+        stock = SimpleNamespace(hf_config=SimpleNamespace())
+        hook.verify_and_update_model_config(stock)
+        assert not hasattr(stock.hf_config, "mrope_section"), family.architecture
+    linear = sections["LlavaForConditionalGeneration"]
+    assert linear is not None and sections["Mistral3ForConditionalGeneration"] == linear
+    assert sections["Qwen2VLForConditionalGeneration"] is None  # negative control: M-RoPE is left alone
 
 
 def test_unserved_hook_keeps_vllms_own_hook():

@@ -26,6 +26,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
 from priortr.integrations.vllm.guard import SettingsGuard
+from priortr.integrations.vllm.positions import MROPE, FamilyLayout
 from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
 
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
@@ -181,14 +182,20 @@ def compiled_refusals(vllm_config: Any) -> list[str]:
 class PruningConfigHook(VerifyAndUpdateConfig):
     """Refuse what cannot be served exactly; keep vLLM from turning breakable CUDA graphs on after
     the checks (``BREAKABLE_GRAPHS``); serve with the plug-in's scheduler; give a 1-D RoPE model
-    per-request positions."""
+    per-request positions. ``layout`` is the family's (``PruningModel.layout``), set per family by
+    ``for_model``, so that the rope kind is read where the family's facts live."""
 
-    linear_rope = False
+    layout: FamilyLayout = MROPE
+
+    @classmethod
+    def for_model(cls, model: type) -> type:
+        """This hook for the family whose plug-in model class is ``model``: its layout, the model's."""
+        return type(cls.__name__, (cls,), {"layout": model.layout})
 
     @classmethod
     def verify_and_update_model_config(cls, model_config: Any) -> None:
         hf_config = model_config.hf_config
-        if served_settings(hf_config) is not None and cls.linear_rope:
+        if served_settings(hf_config) is not None and cls.layout.linear_rope:
             hf_config.mrope_section = LINEAR_ROPE_CHANNELS
 
     @staticmethod
@@ -206,10 +213,6 @@ class PruningConfigHook(VerifyAndUpdateConfig):
             scheduler.scheduler_cls = SCHEDULER
         setattr(vllm_config.model_config.hf_config, STEP_LIMIT_KEY, step_limit(scheduler))
         setattr(vllm_config.model_config.hf_config, WHOLE_LIMIT_KEY, whole_prompt_limit(scheduler))
-
-
-class LinearRopeConfigHook(PruningConfigHook):
-    linear_rope = True
 
 
 class DeepStackConfigHook(PruningConfigHook):

@@ -23,7 +23,6 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from priortr.integrations.vllm.architectures import UNSERVED
 from priortr.integrations.vllm.config_hooks import (
     DeepStackConfigHook,
-    LinearRopeConfigHook,
     MoeDeepStackConfigHook,
     PruningConfigHook,
     unserved_hook,
@@ -111,7 +110,7 @@ FAMILIES = (
     Family(
         "LlavaForConditionalGeneration",
         PruningLlava,
-        LinearRopeConfigHook,
+        PruningConfigHook,
         llava_processor,
         llava._build_llava_or_pixtral_hf_info,
         llava.LlavaDummyInputsBuilder,
@@ -151,7 +150,7 @@ FAMILIES = (
     Family(
         "InternVLForConditionalGeneration",
         PruningInternVL,
-        LinearRopeConfigHook,
+        PruningConfigHook,
         InternVLProcessor,
         interns1.InternS1ProcessingInfo,
         interns1.InternS1DummyInputsBuilder,
@@ -159,7 +158,7 @@ FAMILIES = (
     Family(
         "LlavaOnevisionForConditionalGeneration",
         PruningLlavaOnevision,
-        LinearRopeConfigHook,
+        PruningConfigHook,
         LlavaOnevisionProcessor,
         llava_onevision.LlavaOnevisionProcessingInfo,
         llava_onevision.LlavaOnevisionDummyInputsBuilder,
@@ -167,7 +166,7 @@ FAMILIES = (
     Family(
         "LlavaNextForConditionalGeneration",
         PruningLlavaNext,
-        LinearRopeConfigHook,
+        PruningConfigHook,
         LlavaNextProcessor,
         llava_next.LlavaNextProcessingInfo,
         llava.LlavaDummyInputsBuilder,
@@ -175,7 +174,7 @@ FAMILIES = (
     Family(
         "Mistral3ForConditionalGeneration",
         PruningMistral3,
-        LinearRopeConfigHook,
+        PruningConfigHook,
         Mistral3Processor,
         mistral3.Mistral3ProcessingInfo,
         mistral3.Mistral3DummyInputsBuilder,
@@ -191,6 +190,6 @@ def register_all() -> None:
             family.processor, info=family.info, dummy_inputs=family.dummy_inputs
         )(family.model)
         ModelRegistry.register_model(family.architecture, family.model)
-        MODELS_CONFIG_MAP[family.architecture] = family.hook
+        MODELS_CONFIG_MAP[family.architecture] = family.hook.for_model(family.model)
     for architecture, reason in UNSERVED.items():
         MODELS_CONFIG_MAP[architecture] = unserved_hook(MODELS_CONFIG_MAP.get(architecture), reason)
