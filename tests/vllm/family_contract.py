@@ -263,6 +263,21 @@ def serve(llm: LLM, cases: list[tuple], arrivals: dict[int, list[int]]) -> dict[
     return run_arrivals(llm.llm_engine, requests, arrivals, params)
 
 
+def preemption_engine(family: Family, path: Path, step_tokens: int) -> LLM:
+    """An engine whose KV cache, 4 blocks of 32 tokens (3 usable), cannot hold four two-image prompts
+    decoding ``PREEMPTED_TOKENS`` each, so that vLLM preempts and re-prefills; ``step_tokens`` is its
+    step's token budget (96: a re-prefill in one step)."""
+    return LLM(
+        model=str(path),
+        hf_overrides=family.overrides(),
+        limit_mm_per_prompt=family.limits,
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
+        block_size=32,
+        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": step_tokens},
+    )
+
+
 def record_schedule(engine: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     """The tokens vLLM's scheduler gives each request in each step of ``engine``, by request id, as it
     runs."""
@@ -413,15 +428,7 @@ class FamilyContract:
         tokens each: vLLM preempts and re-prefills prompt + generated tokens in one step (never cut
         after its prompt: a step holds it whole); the scores must use the prompt's rows only, as they
         did the first time."""
-        engine = LLM(
-            model=str(path),
-            hf_overrides=row.overrides(),
-            limit_mm_per_prompt=row.limits,
-            num_gpu_blocks_override=4,
-            disable_log_stats=False,
-            block_size=32,
-            **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 96},
-        )
+        engine = preemption_engine(row, path, step_tokens=96)
         scheduled = record_schedule(engine, monkeypatch)
         cases = [(row.two, [row.small(20 + i), row.small(30 + i)], None) for i in range(4)]
         outs = generate(engine, cases, tokens=PREEMPTED_TOKENS)

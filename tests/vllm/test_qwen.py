@@ -5,7 +5,6 @@ generate(); and (Qwen2-VL) preemption by recompute in steps shorter than a re-pr
 from __future__ import annotations
 
 import pytest
-from vllm import LLM
 
 from tests.vllm.family_contract import (
     FAMILIES,
@@ -16,10 +15,11 @@ from tests.vllm.family_contract import (
     answers,
     cut_after_a_full_step,
     expected,
+    preemption_engine,
     record_schedule,
 )
 from tests.vllm.harness import generate
-from tests.vllm.reference import ENGINE, image
+from tests.vllm.reference import image
 
 
 class QwenChecks(FamilyContract):
@@ -76,15 +76,7 @@ def test_preemption_in_short_steps_is_exact(qwen_dir, monkeypatch):
     a step of 20 (the processor refuses a longer one) while a re-prefill of it with its generated tokens
     does not."""
     row = FAMILIES["qwen2-vl"]
-    engine = LLM(
-        model=str(qwen_dir),
-        hf_overrides=row.overrides(),
-        limit_mm_per_prompt=row.limits,
-        num_gpu_blocks_override=4,
-        disable_log_stats=False,
-        block_size=32,
-        **{**ENGINE, "max_model_len": 96, "max_num_batched_tokens": 20},
-    )
+    engine = preemption_engine(row, qwen_dir, step_tokens=20)
     scheduled = record_schedule(engine, monkeypatch)
     cases = [(QWEN_TWO, [image(56, 20 + i), image(56, 30 + i)], None) for i in range(4)]
     outs = generate(engine, cases, tokens=PREEMPTED_TOKENS)
