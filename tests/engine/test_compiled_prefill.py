@@ -3,6 +3,12 @@
 prefill, its graph breaks are vanilla's plus the planning's, a second call of the same shape compiles
 nothing, and it gives the eager pruned model's logits and kept tokens, whether the model was compiled
 before or after ``priortr.apply`` (float64, CPU).
+
+The graph counts are asserted from torch 2.13 (the version ``scripts/setup.sh`` pins): torch 2.11's
+dynamo cannot trace ``id()`` of a tensor made inside the graph, which the per-stage RoPE/mask cache keys
+on (``engine/prefill.py``), so there the layers after a stage run in graphs of their own (PriorTR: 12
+graphs and 13 breaks against vanilla's 7 and 16, one new graph on a second call; docs/benchmarks.md).
+Exactness is asserted on every supported torch.
 """
 
 from __future__ import annotations
@@ -11,10 +17,24 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from packaging.version import Version
 from torch._dynamo.utils import counters
 
 import priortr
 from tests.helpers.tiny import llava_batch, tiny_llava
+
+BOUNDS_HOLD = Version(torch.__version__).release >= (2, 13)
+"""Whether this torch's dynamo traces the stage's RoPE/mask cache (module docstring)."""
+
+
+def _assert_within_vanillas_graphs(pruned: Compiled, vanilla: Compiled, stages: int) -> None:
+    """No more graphs than vanilla, breaks no more than vanilla's plus one per stage, nothing recompiled
+    on a second call of the shape (from torch 2.13: module docstring)."""
+    if not BOUNDS_HOLD:
+        return
+    assert pruned.graphs <= vanilla.graphs, "the stage runs inside the graphs"
+    assert pruned.breaks <= vanilla.breaks + stages
+    assert pruned.new_graphs == vanilla.new_graphs == 0, "a second call of one shape recompiles nothing"
 
 
 @dataclass(frozen=True)
@@ -104,10 +124,7 @@ def test_a_compiled_pruned_prefill_breaks_where_vanilla_does_and_is_exact(
         compiled_model(model)
     with handle:
         pruned = _compiled(model, batch, handle)
-    stages = 1
-    assert pruned.graphs <= vanilla.graphs, "the stage runs inside the graphs"
-    assert pruned.breaks <= vanilla.breaks + stages
-    assert pruned.new_graphs == vanilla.new_graphs == 0, "a second call of one shape recompiles nothing"
+    _assert_within_vanillas_graphs(pruned, vanilla, stages=1)
     assert torch.equal(pruned.kept, eager_kept)
     torch.testing.assert_close(pruned.logits, eager_logits, rtol=0, atol=1e-10)
     assert torch.equal(pruned.logits.argmax(-1), eager_logits.argmax(-1))
@@ -157,9 +174,7 @@ def test_a_multi_stage_method_compiles_with_one_break_at_most_per_stage(compiled
         assert stages > 1
         compiled_model(model)
         pruned = _compiled(model, batch, handle)
-    assert pruned.breaks <= vanilla.breaks + stages
-    assert pruned.graphs <= vanilla.graphs
-    assert pruned.new_graphs == 0
+    _assert_within_vanillas_graphs(pruned, vanilla, stages)
     assert torch.equal(pruned.kept, eager_kept)
     torch.testing.assert_close(pruned.logits, eager_logits, rtol=0, atol=1e-10)
 
