@@ -6,34 +6,17 @@ scenes-test-default: every method at its default, PriorTR with the former rows i
 prints each cell's accuracy with its 95% Wilson interval and the exact McNemar test of the new PriorTR
 against the others (``priortr.testbed.significance``).
 
-    python benchmarks/prior_term_table.py benchmarks/results/accuracy/scenes-test-i48-k64 \
+    python -m benchmarks.prior_term_table benchmarks/results/accuracy/scenes-test-i48-k64 \
         benchmarks/results/accuracy/scenes-test-default --budgets 64
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from benchmarks.accuracy_table import read_hits
 from priortr.testbed.significance import mcnemar, wilson_interval
-
-
-def read_journal(folder: Path) -> tuple[list[str], dict[tuple[str, int], list[int]]]:
-    """The questions (image ids, in index order) and the hits per (method, budget) of one journal."""
-    path = next(folder.glob("*.samples.jsonl"))
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    n = lines[0]["settings"]["limit"]
-    questions: dict[int, str] = {}
-    cells: dict[tuple[str, int], dict[int, int]] = {}
-    for record in lines[1:]:
-        questions[record["index"]] = record["image_id"]
-        cells.setdefault((record["method"], record["budget"]), {})[record["index"]] = int(record["correct"])
-    for cell, hits in cells.items():
-        if sorted(hits) != list(range(n)):
-            raise ValueError(f"{path}: cell {cell} has {len(hits)} of {n} answers; finish it (--resume)")
-    in_order = {cell: [hits[i] for i in range(n)] for cell, hits in cells.items()}
-    return [questions[i] for i in range(n)], in_order
 
 
 def main() -> None:
@@ -42,10 +25,11 @@ def main() -> None:
     parser.add_argument("former", type=Path)
     parser.add_argument("--budgets", type=int, nargs="+", default=[64])
     args = parser.parse_args()
-    new_questions, new = read_journal(args.new)
-    former_questions, former = read_journal(args.former)
-    if new_questions != former_questions:
+    new_settings, new = read_hits(args.new)
+    former_settings, former = read_hits(args.former)
+    if (new_settings["split"], new_settings["limit"]) != (former_settings["split"], former_settings["limit"]):
         raise ValueError("the two journals answered different questions; run both with the same --limit")
+    questions = len(new[("priortr", args.budgets[0])])
     for budget in args.budgets:
         rows = {
             "priortr (rows j >= i_e, default)": new[("priortr", budget)],
@@ -53,7 +37,7 @@ def main() -> None:
             "priortr (rows j > i_e, former default)": former[("priortr", budget)],
             "fastv (layer 1)": former[("fastv", budget)],
         }
-        print(f"K = {budget}, {len(new_questions)} questions")
+        print(f"K = {budget}, {questions} questions")
         print("| method | accuracy % (95% Wilson) | priortr (default) only / other only | McNemar p |")
         print("| --- | ---: | ---: | ---: |")
         reference = rows["priortr (rows j >= i_e, default)"]

@@ -35,7 +35,7 @@ def root(tmp_path: Path) -> Path:
 
 def test_rows_name_where_each_method_prunes(root: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(accuracy_table, "BUDGETS", (64,))
-    n, vanilla, rows = accuracy_table.collect(root, "s")
+    n, vanilla, rows = accuracy_table.collect([root / "s-default", root / "s-layer4"])
     assert n == 5 and vanilla == [1] * 5
     assert {row.label: cells for row, cells in rows.items()} == {
         "priortr @ layer 2": {64: [0, 1, 1, 1, 1]},
@@ -72,3 +72,22 @@ def test_visual_tokens_per_layer_by_hand():
     assert accuracy_table.mean_visual(Row("pdrop", None), 64) == pytest.approx(
         (7 * 576 + 8 * 277 + 7 * 133 + 8 * 64) / 30
     )
+
+
+def test_journals_of_a_whole_split_combine_and_refuse_what_does_not_pair(tmp_path: Path):
+    """A whole split's journal (``limit`` null) counts its questions from the indices; journals combine
+    into one table, and a cell in two journals or journals of other questions are refused."""
+    clse, fewer = {("clse", 64): [0, 0, 1, 1, 1]}, {("clse", 64): [0, 1, 1]}
+    for folder, hits in (("a", HITS), ("b", clse), ("c", fewer)):
+        journal(tmp_path / folder, "s", None, hits)
+        path = tmp_path / folder / "s.samples.jsonl"
+        path.write_text(path.read_text().replace('"limit": 5', '"limit": null'))
+    table = accuracy_table.tables("s", [tmp_path / "a", tmp_path / "b"], budgets=(64,))
+    assert "### s: 5 questions" in table
+    assert "| clse @ own schedule | 60 (23-88) |" in table
+    # priortr (0, 1, 1, 1, 1) against clse (0, 0, 1, 1, 1): one question only priortr answers
+    assert "| clse @ own schedule | 1/0, p=1.000 |" in table
+    with pytest.raises(ValueError, match="in an earlier journal too"):
+        accuracy_table.collect([tmp_path / "a", tmp_path / "a"])
+    with pytest.raises(ValueError, match=r"answered \('s', 3\)"):
+        accuracy_table.collect([tmp_path / "a", tmp_path / "c"])
