@@ -189,7 +189,7 @@ def test_negative_controls_are_caught(family, monkeypatch):
         original(self, call, index)
         if full[0].shape[1] == batch.seq_len:
             n = call.rope[0].shape[1]
-            call.rope = (full[0][:, :n], full[1][:, :n])
+            call.set_rope((full[0][:, :n], full[1][:, :n]))
 
     with monkeypatch.context() as patch:
         patch.setattr(Prefill, "_gather_layer_inputs", renumbered)

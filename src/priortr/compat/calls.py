@@ -7,6 +7,10 @@ renames them (5.24: ``past_key_values`` -> ``cache``, the old name kept as a dep
 so the names are looked up once, when pruning is attached, from the installed release's signatures
 (``resolve``); the engine only uses the views below. A signature that matches no known contract is
 refused there (``release.refuse``).
+
+The views are rewritten through methods (``set_hidden``, ``set_attention_mask``, ...), never through
+property setters: inside a compiled graph, torch 2.11's dynamo drops what a property setter writes,
+silently (2.13 does not), and the hooks that rewrite these calls run in the graphs.
 """
 
 from __future__ import annotations
@@ -99,16 +103,14 @@ class ModelCall:
     def attention_mask(self) -> Any:
         return self.arguments.get("attention_mask")
 
-    @attention_mask.setter
-    def attention_mask(self, mask: Any) -> None:
+    def set_attention_mask(self, mask: Any) -> None:
         self.arguments["attention_mask"] = mask
 
     @property
     def position_ids(self) -> torch.Tensor | None:
         return self.arguments.get("position_ids")
 
-    @position_ids.setter
-    def position_ids(self, positions: torch.Tensor) -> None:
+    def set_position_ids(self, positions: torch.Tensor) -> None:
         self.arguments["position_ids"] = positions
 
     @property
@@ -176,8 +178,7 @@ class LayerCall:
     def hidden(self) -> torch.Tensor:
         return self.args[0] if self.args else self.kwargs["hidden_states"]
 
-    @hidden.setter
-    def hidden(self, hidden: torch.Tensor) -> None:
+    def set_hidden(self, hidden: torch.Tensor) -> None:
         if self.args:
             self.args = (hidden, *self.args[1:])
         else:
@@ -192,16 +193,14 @@ class LayerCall:
         """The layer's RoPE ``(cos, sin)``, each [B or 1, S, d]."""
         return self.kwargs["position_embeddings"]
 
-    @rope.setter
-    def rope(self, rope: tuple[torch.Tensor, ...]) -> None:
+    def set_rope(self, rope: tuple[torch.Tensor, ...]) -> None:
         self.kwargs["position_embeddings"] = rope
 
     @property
     def mask(self) -> Any:
         return self.kwargs.get("attention_mask")
 
-    @mask.setter
-    def mask(self, mask: Any) -> None:
+    def set_mask(self, mask: Any) -> None:
         self.kwargs["attention_mask"] = mask
 
     def clear_positions(self) -> None:

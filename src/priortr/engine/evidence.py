@@ -492,10 +492,10 @@ def vision_evidence(
             f"the vision tower gave {n_tokens} tokens per image but an image has more visual "
             "tokens in the prompt; use the processor's image size"
         )
-    slot = {id(item): index for index, item in enumerate(images)}
+    slot = {(item.row, item.separator): index for index, item in enumerate(images)}  # host ints: traceable
     image_of = torch.zeros(len(group.pools), max(len(pool.items) for pool in group.pools), dtype=torch.long)
     for g, pool in enumerate(group.pools):
-        image_of[g, : len(pool.items)] = torch.tensor([slot[id(item)] for item in pool.items])
+        image_of[g, : len(pool.items)] = torch.tensor([slot[item.row, item.separator] for item in pool.items])
     device = next(iter(per_image.values())).device
     image = to_device(image_of, device)  # [G, I] tower image of each item
     image = image.gather(1, group.item_of.to(device))  # [G, n] tower image of each token

@@ -44,6 +44,10 @@ from priortr.engine.result import PrefillRecord, PruneResult
 from priortr.methods.scoring import NO_WEIGHT_FIX
 from priortr.tensors.host import to_host
 
+COMPILED_CAPTURES = -1
+"""The key of the vision tower's captures in a compiled model, in place of a thread's id
+(``PruningEngine._captures_key``)."""
+
 
 class PruningEngine:
     """Hooks physical visual-token pruning into one model; ``detach()`` restores it exactly.
@@ -69,7 +73,7 @@ class PruningEngine:
             if adapter.scales_queries(adapter.attention(self.layers[index]))
         }
         self.explicit_mask = compat.masks.explicit_mask_builder(compat.masks.implementation(model))
-        self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread
+        self._vision_captures: dict[int, dict[str, torch.Tensor]] = {}  # per thread (_captures_key)
         self._in_flight: dict[int, list[RemovableHandle]] = {}  # per thread: the armed prefill's hooks
         self._prompt_ends: dict[int, int] = {}  # per thread: the columns of a call's prompt
         self._stage_observers: list[StageObserver] = []
@@ -257,7 +261,7 @@ class PruningEngine:
         """A prefill with images on an empty cache: split off a continuation after the prompt, plan the
         prompt, make its ``Prefill`` and arm its hooks (None: it runs unpruned)."""
         if call.has_raw_pixels:  # the tower runs inside this call; generate() runs it before
-            self._vision_captures.pop(thread, None)
+            self._vision_captures.pop(self._captures_key(thread), None)
         whole, continuation = call, None
         end = self._prompt_ends.get(thread)
         if end is not None and end < call.new_tokens and call.input_ids is not None:
@@ -291,7 +295,7 @@ class PruningEngine:
         method reads it, the model's mask builder, attention layers, local windows and stage observers."""
         vision = None
         if self.vision is not None:
-            vision = (self.vision, self._vision_captures.setdefault(thread, {}))
+            vision = (self.vision, self._vision_captures.setdefault(self._captures_key(thread), {}))
         norm = self.adapter.final_norm(self.model) if "final_norm" in self.config.method.needs else None
         return Prefill(
             plan,
@@ -346,7 +350,7 @@ class PruningEngine:
             if threading.get_ident() != thread:
                 return None
             _disarm(self._in_flight.pop(thread, []))
-            self._vision_captures.pop(thread, None)
+            self._vision_captures.pop(self._captures_key(thread), None)
             if prefill.ledger is not None:
                 write_ledger(prefill.cache, prefill.ledger)
             if continuation is None or output is None:  # None: the prefill raised
@@ -356,7 +360,14 @@ class PruningEngine:
         return hook
 
     def _on_vision_output(self, name: str, tensor: torch.Tensor) -> None:
-        self._vision_captures.setdefault(threading.get_ident(), {})[name] = tensor
+        key = COMPILED_CAPTURES if self._compiled else threading.get_ident()
+        self._vision_captures.setdefault(key, {})[name] = tensor
+
+    def _captures_key(self, thread: int) -> int:
+        """Where the vision tower's captures for ``thread``'s calls are kept: under the thread's id, or
+        in a compiled model under ``COMPILED_CAPTURES`` (its hooks run in graphs, which cannot read a
+        thread's id, and it serves one prefill at a time)."""
+        return COMPILED_CAPTURES if self._compiled else thread
 
 
 def vision_hooks(

@@ -127,10 +127,10 @@ def continue_call(
         length = compat.cache.length(cache) if cached is None else cached
         steps = torch.arange(new, device=ledger.next_position.device)
         positions = ledger.next_position[:, None] + (length - ledger.kept_length) + steps
-        call.position_ids = adapter.continuation_position_ids(model, positions)
+        call.set_position_ids(adapter.continuation_position_ids(model, positions))
     text_config = model.config.get_text_config()
     local = compat.layers.local_types(text_config)
-    call.attention_mask = _mask(ledger, call.attention_mask, new, cache, cached, local)
+    call.set_attention_mask(_mask(ledger, call.attention_mask, new, cache, cached, local))
     if local:
         padding = call.attention_mask
         if not (isinstance(padding, torch.Tensor) and padding.ndim == 2):
@@ -138,9 +138,10 @@ def continue_call(
         positions = compat.masks.WindowPositions(
             ledger.kept_positions, ledger.window_next, ledger.kept_length
         )
-        call.attention_mask = compat.masks.windowed(
+        windowed = compat.masks.windowed(
             text_config, cache, padding, positions, new, model.dtype, call.attention_mask
         )
+        call.set_attention_mask(windowed)
 
 
 def _align(ledger: CacheLedger, call: compat.calls.ModelCall, new: int, cached: int) -> int:
@@ -166,7 +167,7 @@ def _align(ledger: CacheLedger, call: compat.calls.ModelCall, new: int, cached: 
     call.drop_leading(ledger.dropped)
     # A prepared mask (static caches) has a row per sent input, laid out from the cache's physical
     # length: the rows of the inputs that remain are its first ones.
-    call.attention_mask = compat.masks.first_query_rows(mask, new - ledger.dropped)
+    call.set_attention_mask(compat.masks.first_query_rows(mask, new - ledger.dropped))
     return new - ledger.dropped
 
 

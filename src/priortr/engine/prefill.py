@@ -64,7 +64,7 @@ class Prefill:
         self.cache: Any = None
         self.ledger: CacheLedger | None = None  # written to the cache when the model returns
         self.record = PrefillRecord(visual=plan.visual, stages=[], scored=[])
-        self._layer_inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._layer_inputs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     @property
     def reads_embeddings(self) -> bool:
@@ -85,7 +85,7 @@ class Prefill:
         stage = self.next_stage if self.next_stage is not None and self.next_stage + 1 == index else None
         if stage is not None:
             self._observe("start", stage)
-            call.hidden = self.run_next_stage(call.hidden, layer, call.rope)
+            call.set_hidden(self.run_next_stage(call.hidden, layer, call.rope))
         if self.state.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
         if stage is not None:
@@ -194,18 +194,43 @@ class Prefill:
 
     def _gather_layer_inputs(self, call: compat.calls.LayerCall, index: int) -> None:
         """RoPE and mask of layer ``index`` once it runs on the kept tokens only, computed once per stage
-        and kind of layer (a layer without softmax attention takes a padding mask)."""
+        and kind of layer (a layer without softmax attention takes a padding mask).
+
+        The kind is what the config declares (its window, whether it attends, its key length), known on
+        the host, so the cache traces under ``torch.compile`` on every supported torch (torch 2.11's
+        dynamo cannot take ``id()`` of a tensor made in the graph). That the layers of one kind share
+        their RoPE and mask objects, as transformers passes them, is checked on every eager prefill."""
         rope, mask = call.rope, call.mask
         attention = self.attention_layers is None or index in self.attention_layers
         positions, filler = self.state.sequence.positions, self.state.sequence.filler
         keys = compat.cache.key_length(call.cache, index, positions.shape[1]) if attention else 0
-        key = (id(rope), id(mask), attention, keys)
-        if key not in self._layer_inputs:
+        key = (self._window(index), attention, keys)
+        cached = self._layer_inputs.get(key)
+        if cached is None:
             gathered_rope = self.adapter.gather_rope(rope, positions)
             explicit = self.explicit_mask if attention else compat.masks.padding_mask
             gathered_mask = compat.masks.for_kept_layer(
                 mask, positions, self.plan.seq, keys, filler, explicit, call.hidden.dtype
             )
-            self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)  # originals keep ids unique
-        _, _, call.rope, call.mask = self._layer_inputs[key]
+            cached = self._layer_inputs[key] = (rope, mask, gathered_rope, gathered_mask)
+        elif not torch.compiler.is_compiling():
+            _check_shared_inputs(cached[0], cached[1], rope, mask, index)
+        call.set_rope(cached[2])
+        call.set_mask(cached[3])
         call.clear_positions()
+
+
+def _check_shared_inputs(rope: Any, mask: Any, layer_rope: Any, layer_mask: Any, index: int) -> None:
+    """Refuse a model whose layers of one kind receive different RoPE or masks: the per-kind cache of
+    ``Prefill._gather_layer_inputs`` would hand layer ``index`` another layer's. RoPE is a tuple of
+    tensors (``(cos, sin)``) or one tensor (Llama 4's ``freqs_cis``); the tuple itself may be rebuilt."""
+    if isinstance(rope, tuple) and isinstance(layer_rope, tuple):
+        parts = zip(rope, layer_rope, strict=False)
+        same_rope = len(rope) == len(layer_rope) and all(a is b for a, b in parts)
+    else:
+        same_rope = rope is layer_rope
+    if not (same_rope and mask is layer_mask):
+        raise NotImplementedError(
+            f"decoder layer {index} received a RoPE or mask other than the earlier layers of its kind "
+            "(window, attention, key length); priortr gathers them once per kind. Report the model."
+        )

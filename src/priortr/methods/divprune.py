@@ -27,12 +27,12 @@ def _divprune_row(features: torch.Tensor, budget: int) -> torch.Tensor:
     taken = torch.zeros(n_visual, dtype=torch.bool, device=distance.device)  # [N]
     chosen = []
     for _ in range(budget):
-        index = torch.argmax(score.masked_fill(taken, float("-inf")))  # first maximum: lowest index
+        index = torch.argmax(score.masked_fill(taken, float("-inf"))).reshape(1)  # first maximum: lowest
         chosen.append(index)
-        taken[index] = True
-        nearest_chosen = torch.minimum(nearest_chosen, distance[index])
+        taken = taken.index_fill(0, index, True)  # by a tensor index, no host read (compiles in one graph)
+        nearest_chosen = torch.minimum(nearest_chosen, distance.index_select(0, index)[0])
         score = nearest_chosen
-    return torch.stack(chosen)  # [K]
+    return torch.cat(chosen)  # [K]
 
 
 @register_method(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from priortr.methods.registry import register_method
 from priortr.methods.selection import Selection, StageInputs, keep_all
-from priortr.methods.tokens import descending
+from priortr.methods.tokens import descending, untaken
 from priortr.methods.validate import (
     check_bool,
     check_budget,
@@ -50,7 +50,7 @@ def _selection(cls: torch.Tensor, budget: int, adaptive: bool, plus: bool) -> to
         return order[:budget]
     n_top = math.ceil(budget / 4)
     taken[order[:n_top]] = True
-    rest = (~taken).nonzero().squeeze(1)  # [N - n_top] ascending
+    rest = untaken(taken, n_visual - n_top)  # [N - n_top] ascending
     picks = ((torch.arange(budget - n_top, device=cls.device) + 0.5) * rest.numel() / (budget - n_top)).long()
     return torch.cat([order[:n_top], rest[picks]])
 

@@ -45,8 +45,8 @@ def _insert(table: torch.Tensor, slots: torch.Tensor, item: torch.Tensor) -> tor
     """``table`` [T] (item index per slot, -1 empty) with ``item`` (0-d) in the first free slot of its
     probe sequence ``slots`` [C]."""
     free = (slots >= 0) & (table[slots.clamp(min=0)] < 0)  # [C]
-    slot = slots[free.int().argmax()]
-    return table.scatter(0, slot.view(1), item.view(1))
+    slot = slots.index_select(0, free.int().argmax().view(1))  # [1]: a 0-d index would read the host
+    return table.scatter(0, slot, item.view(1))
 
 
 def _slot_order(table: torch.Tensor, count: int) -> torch.Tensor:

@@ -18,6 +18,13 @@ def descending(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(scores, descending=True, stable=True).indices
 
 
+def untaken(taken: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` indices where ``taken`` [N] is False, ascending (``(~taken).nonzero()`` when
+    ``count`` is the number of them): a stable sort puts them first, so the shape is known on the host
+    and nothing is read back (a compiled stage stays in one graph)."""
+    return torch.sort(taken.to(torch.uint8), stable=True).indices[:count]
+
+
 def stack_rows(rows: list[torch.Tensor]) -> Selection:
     """Stack per-image index sets [K] into a Selection with ascending rows [B, K]."""
     return Selection(indices=torch.stack([row.sort().values for row in rows]))

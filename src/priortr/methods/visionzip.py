@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from priortr.methods.registry import register_method
 from priortr.methods.selection import Selection, StageInputs, keep_all
-from priortr.methods.tokens import descending, stack_rows
+from priortr.methods.tokens import descending, stack_rows, untaken
 from priortr.methods.validate import check_bool, check_budget, check_features, check_fraction, check_vision
 
 
@@ -25,7 +25,7 @@ def _visionzip_row(
     dominant = descending(cls)[:n_dominant]
     taken = torch.zeros(n_visual, dtype=torch.bool, device=cls.device)  # [N]
     taken[dominant] = True
-    rest = (~taken).nonzero().squeeze(1)  # [R] ascending, as the authors' boolean mask keeps them
+    rest = untaken(taken, n_visual - n_dominant)  # [R] ascending, as the authors' boolean mask keeps them
     merge = torch.zeros(n_dominant + n_contextual, n_visual, dtype=keys.dtype, device=cls.device)
     merge[torch.arange(n_dominant, device=cls.device), dominant] = 1.0
     kept = dominant
@@ -35,11 +35,13 @@ def _visionzip_row(
         target_pos = torch.arange(0, rest.numel(), step, device=cls.device)[:n_contextual]  # [C]
         is_target = torch.zeros(rest.numel(), dtype=torch.bool, device=cls.device)  # [R]
         is_target[target_pos] = True
-        assignment = torch.argmax(metric[~is_target] @ metric[target_pos].T, dim=-1)  # [R - C] first max
-        joined = torch.bincount(assignment, minlength=n_contextual).clamp(min=1).to(keys.dtype)  # [C]
+        others = untaken(is_target, rest.numel() - n_contextual)  # [R - C] ascending
+        assignment = torch.argmax(metric[others] @ metric[target_pos].T, dim=-1)  # [R - C] first max
+        joined = torch.zeros(n_contextual, dtype=torch.long, device=cls.device)  # [C] tokens joining each
+        joined = joined.scatter_add(0, assignment, torch.ones_like(assignment)).clamp(min=1).to(keys.dtype)
         rows = n_dominant + torch.arange(n_contextual, device=cls.device)  # [C]
         merge[rows, rest[target_pos]] = 1.0  # the target itself, plus the mean of the tokens that joined it
-        merge[rows[assignment], rest[~is_target]] = 1.0 / joined[assignment]
+        merge[rows[assignment], rest[others]] = 1.0 / joined[assignment]
         kept = torch.cat([dominant, rest[target_pos]])
     order = kept.argsort()
     return kept[order], merge[order]
