@@ -360,14 +360,15 @@ class PruningEngine:
         return hook
 
     def _on_vision_output(self, name: str, tensor: torch.Tensor) -> None:
-        key = COMPILED_CAPTURES if self._compiled else threading.get_ident()
-        self._vision_captures.setdefault(key, {})[name] = tensor
+        self._vision_captures.setdefault(self._captures_key(), {})[name] = tensor
 
-    def _captures_key(self, thread: int) -> int:
-        """Where the vision tower's captures for ``thread``'s calls are kept: under the thread's id, or
-        in a compiled model under ``COMPILED_CAPTURES`` (its hooks run in graphs, which cannot read a
-        thread's id, and it serves one prefill at a time)."""
-        return COMPILED_CAPTURES if self._compiled else thread
+    def _captures_key(self, thread: int | None = None) -> int:
+        """Where the vision tower's captures for ``thread``'s calls (None: the calling thread's) are
+        kept: under the thread's id, or in a compiled model under ``COMPILED_CAPTURES`` (its hooks run
+        in graphs, which cannot read a thread's id, and it serves one prefill at a time)."""
+        if self._compiled:
+            return COMPILED_CAPTURES
+        return threading.get_ident() if thread is None else thread
 
 
 def vision_hooks(
