@@ -46,7 +46,8 @@ if [ -n "$torch_range" ]; then
     grep -v '^torch==' constraints/tested.txt > "$venv/lock.txt"
     constraints=(-c "$venv/lock.txt")
   fi
-  "${pip[@]}" install "${constraints[@]}" -e ".[dev]" "${torch_pins[@]}" accelerate
+  # No cache: torch 2.11's CUDA wheels are GBs that would stay in pip's cache after the venv is gone.
+  "${pip[@]}" install --no-cache-dir "${constraints[@]}" -e ".[dev]" "${torch_pins[@]}" accelerate
   "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   exit 0
 fi
