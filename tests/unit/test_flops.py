@@ -16,12 +16,14 @@ from priortr.tools.flops import (
     ModelShape,
     TextShape,
     VisionShape,
+    decoder_layer_flops,
     inference_flops,
     kv_cache_bytes,
     layer_flops,
     llm_prefill_flops,
     priortr_profile,
 )
+from tests.helpers.tiny import llava_batch, tiny_llava
 
 MIB = 2**20
 
@@ -175,12 +177,48 @@ def test_each_method_is_counted_at_the_layer_apply_scores_by_default():
     percent = {row["method"]: row["percent"] for row in report["rows"]}
     assert percent["fastv"] < percent["priortr"]  # one full layer fewer
     table = flops.format_table(report)
-    assert "| fastv | 1 | 64 |" in table and "| pdrop | cuts 8/16/24 | 64 |" in table
+    assert "| fastv | 1 | 64 |" in table and "| pdrop | cuts 8/16/24 | 64: 277/133/64 |" in table
     # a layer, or full_layers, puts every one-layer method there
     at_two = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv"], layer=2)
     assert [row["layer"] for row in at_two["rows"]] == [2, 2]
     at_l2 = flops.flops_report("llava-1.5-7b", [64], methods=["priortr", "fastv"], full_layers=2)
     assert [row["full_layers"] for row in at_l2["rows"]] == [2, 2]
+
+
+def test_every_counted_method_has_the_stages_the_engine_runs():
+    """Each method's cuts are what a pruned prefill of a tiny 8-layer LLaVA (16 visual tokens) kept, stage by
+    stage, read from ``handle.last``: the engine's own record, not the schedule the report is built from."""
+    model = tiny_llava(text={"num_hidden_layers": 8})
+    batch = llava_batch(model)
+    assert set(flops.METHODS) == set(priortr.methods.available_methods()) - {"sparsevlm"}
+    report = flops.flops_report(model.config, [6], methods=flops.METHODS)
+    for row in report["rows"]:
+        with priortr.apply(model, method=row["method"], budget=6) as handle, torch.no_grad():
+            model(**batch.kwargs())
+        ran = [[stage.layer + 1, stage.kept.shape[1]] for stage in handle.last.stages]
+        assert row["cuts"] == ran, row["method"]
+    cuts = {row["method"]: row["cuts"] for row in report["rows"]}
+    assert cuts["divprune"] == [[0, 6]] and cuts["visionzip"] == [[0, 5]]  # before layer 0; [CLS]'s slot
+    assert cuts["clse"] == [[1, 10], [3, 6], [5, 1]]  # prune layers 1, 3, 5; int(6 x 1.72 / 1.09 / 0.32)
+    assert cuts["pdrop"] == [[2, 12], [4, 8], [6, 6]]  # 16 x (6/16)^(i/3), rounded
+
+
+def test_staged_and_pre_llm_methods_on_llava_by_hand():
+    report = flops.flops_report("llava-1.5-7b", [64], methods=["clse", "visionzip"], decode_steps=0)
+    clse, visionzip = report["rows"]
+    assert clse["cuts"] == [[1, 110], [11, 70], [21, 20]]  # the authors' LLaVA preset and prune layers
+    assert (clse["layer"], clse["kept"]) == (None, 64)
+    text = flops.model_shape("llava-1.5-7b").text
+    assert clse["flops"]["llm_prefill"] == sum(
+        n * decoder_layer_flops(text, 48 + kept) for n, kept in ((1, 576), (10, 110), (10, 70), (11, 20))
+    )
+    assert visionzip["cuts"] == [[0, 63]]  # the authors' 54 dominant + 10 contextual, [CLS] among them
+    assert visionzip["flops"]["llm_prefill"] == 32 * decoder_layer_flops(text, 48 + 63)
+    vanilla = report["vanilla"]["flops"]
+    assert all(visionzip["flops"][term] == vanilla[term] for term in ("vit", "projector"))
+    assert clse["kv_cache_bytes"] == kv_cache_bytes("llava-1.5-7b", 48 + 20)
+    table = flops.format_table(report)
+    assert "| clse | cuts 1/11/21 | 64: 110/70/20 |" in table and "| visionzip | cuts 0 | 64: 63 |" in table
 
 
 def test_terms_restrict_the_total():
@@ -193,7 +231,9 @@ def test_terms_restrict_the_total():
 
 
 def test_report_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown method 'pyramid'"):
+        flops.flops_report("llava-1.5-7b", [64], methods=["pyramid"])
+    with pytest.raises(ValueError, match="does not count sparsevlm: it recycles clusters"):
         flops.flops_report("llava-1.5-7b", [64], methods=["sparsevlm"])
     with pytest.raises(ValueError, match="layer must be"):
         flops.flops_report("llava-1.5-7b", [64], layer=31)

@@ -15,7 +15,9 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser("flops", help="analytic FLOPs per term", description=run.__doc__)
     parser.add_argument("--model", default="llava-1.5-7b", help="shipped config name or checkpoint directory")
     parser.add_argument("--budgets", type=arguments.budget, nargs="+", default=[192, 128, 64])
-    parser.add_argument("--methods", nargs="+", default=["priortr"], help="priortr, fastv or pdrop")
+    parser.add_argument(
+        "--methods", nargs="+", default=["priortr"], help="methods to count (`priortr methods` lists them)"
+    )
     parser.add_argument(
         "--layer",
         type=nonnegative_int,
@@ -36,12 +38,10 @@ def add_parser(commands: Any) -> None:
 
 def check(args: argparse.Namespace) -> None:
     if args.config:
-        from priortr.tools.flops import METHODS
-
         setting = arguments.config_setting(args, "flops")
         if setting["options"]:
             raise ValueError(
-                f"priortr flops counts {', '.join(METHODS)}, which take no options, and {args.config!r} "
+                f"priortr flops counts each method at its default options, and {args.config!r} "
                 f"sets options {setting['options']!r} for {setting['method']}; measure that setting "
                 f"with `priortr bench --config {args.config}`"
             )

@@ -33,6 +33,16 @@ Without a ``layer``, each method is counted at the layer ``priortr.apply`` score
 (``MethodInfo.default_layer``: PriorTR ``DEFAULT_LAYER`` = 2, FastV its registered 1), so a report's rows are
 what the library runs.
 
+Methods. Every registered method whose token counts follow from its schedule is counted, with the
+stages the engine runs (``PruningConfig.schedule``, at the method's default options): one-layer
+methods cut after their scored layer, multi-stage methods (CLSE, PyramidDrop) after each stage, and
+the methods that prune before the language model (VisionZip, DivPrune, ...) before layer 0, after
+the vision tower and the projector have run on every visual token, as the engine does (VisionZip
+leaves K - 1: ``CLS_TAKES_A_SLOT``). The ``pdrop``
+rows alone keep PyramidDrop's own cache (each layer caches what it processed, the paper's PDrop
+KV-cache column); every other row has this package's compacted cache. SparseVLM is not counted: it
+recycles clusters on top of its schedule's counts (``priortr bench`` measures the tokens it leaves).
+
 The paper's own FLOPs and KV-cache columns, and the assumptions that reproduce them, are not part of
 the library: ``benchmarks/paper_flops.py`` in the repository.
 
@@ -53,14 +63,23 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from priortr import compat
-from priortr.engine.config import resolve_budget
-from priortr.methods import get_method
+from priortr.engine.config import PruningConfig, resolve_budget
+from priortr.methods import available_methods, get_method
 from priortr.methods.pdrop import pyramid_stages
 from priortr.methods.registry import DEFAULT_LAYER
 from priortr.tools.configs import load_config
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
-METHODS: tuple[str, ...] = ("priortr", "fastv", "pdrop")
+NOT_COUNTED = {
+    "sparsevlm": "it recycles clusters on top of its schedule's counts; `priortr bench --methods sparsevlm` "
+    "measures the tokens it leaves",
+}
+"""Registered methods whose kept counts the schedule alone does not give, and why."""
+METHODS: tuple[str, ...] = tuple(name for name in available_methods() if name not in NOT_COUNTED)
+"""The methods ``flops_report`` counts."""
+CLS_TAKES_A_SLOT = frozenset({"visionzip"})
+"""Methods that leave K - 1 of a budget K < N at their defaults: VisionZip counts the tower's [CLS], which
+LLaVA drops, as one of its K (``cls_takes_a_slot=True``, the authors' patch set)."""
 DEFAULT_BUDGETS: tuple[int, ...] = (192, 128, 64)
 DEFAULT_TEXT_TOKENS = 48
 DEFAULT_DECODE_STEPS = 63
@@ -411,14 +430,23 @@ def scheduled_prefill_flops(
 
 
 def method_profile(
-    method: str, kept: int, shape: ModelShape, n_visual: int, layer: int, full_layers: int | None = None
+    method: str, budget: int | float, shape: ModelShape, n_visual: int, layer: int | None = None
 ) -> LayerProfile:
-    """The profile of ``method`` ("priortr" / "fastv": one cut after ``layer``; "pdrop": PyramidDrop)."""
-    if method in ("priortr", "fastv"):
-        return single_cut(kept, layer + 1 if full_layers is None else full_layers, method)
+    """The profile of ``method`` at ``budget`` (a count or a ratio, as ``priortr.apply``'s) for one image
+    of ``n_visual`` tokens: the stages the engine runs (``PruningConfig.schedule``), a one-layer method
+    scored at ``layer`` (None: its default). "pdrop" keeps PyramidDrop's own cache
+    (``pyramid_drop_profile``)."""
+    if method in NOT_COUNTED:
+        raise ValueError(f"priortr flops does not count {method}: {NOT_COUNTED[method]}")
+    n_layers = shape.text.layers
     if method == "pdrop":
-        return pyramid_drop_profile(kept, n_visual, shape.text.layers)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        return pyramid_drop_profile(resolve_budget(budget, n_visual), n_visual, n_layers)
+    stages = PruningConfig.of(method, budget, layer, n_layers=n_layers).schedule(n_visual, n_layers)
+    if method in CLS_TAKES_A_SLOT:
+        if stages[0][1] == 1:
+            raise ValueError(f"{method}: a budget of 1 leaves no patch once [CLS] takes its slot")
+        stages = [(scored, kept - 1 if kept < n_visual else kept) for scored, kept in stages]
+    return profile_of_stages(stages, method)
 
 
 # -- totals ------------------------------------------------------------------------------------------
@@ -559,8 +587,10 @@ def flops_report(
     (``MethodInfo.default_layer``: PriorTR 2, FastV 1). ``full_layers`` overrides ``layer + 1``.
     ``terms``: the terms summed into ``total`` and the percentage (all by default). The KV cache is
     reported for ``dtype_bytes``.
-    Each row names its scored ``layer`` and ``full_layers`` (None for PyramidDrop's own stages) and
-    its ``cuts`` (``LayerProfile``).
+    ``methods``: any of ``METHODS``, each at its default options.
+    Each row names its scored ``layer`` and ``full_layers`` (None for a method of several stages or
+    one that prunes before the language model), its ``kept`` (the budget as a count: a staged method's
+    schedule name) and its ``cuts`` (``LayerProfile``: what each stage keeps).
     """
     name = config if isinstance(config, str) else getattr(config, "name_or_path", "") or config.model_type
     shape = _shape(config)
@@ -580,15 +610,14 @@ def flops_report(
     rows = []
     for method in methods:
         for budget in budgets:
-            kept = resolve_budget(budget, n_visual)
             scored = _scored_layer(method, layer, full_layers, shape.text.layers)
-            profile = method_profile(method, kept, shape, n_visual, scored, full_layers)
+            profile = method_profile(method, budget, shape, n_visual, scored)
             flops = inference_flops(shape, profile, **common)
             rows.append(
                 {
                     "method": method,
                     "budget": budget,
-                    "kept": kept,
+                    "kept": resolve_budget(budget, n_visual),
                     "layer": scored,
                     "full_layers": None if scored is None else scored + 1,
                     "cuts": [list(cut) for cut in profile.cuts],
@@ -625,11 +654,9 @@ def flops_report(
 
 
 def _scored_layer(method: str, layer: int | None, full_layers: int | None, n_layers: int) -> int | None:
-    """The 0-indexed scored layer of a one-layer ``method`` (None for PyramidDrop's own stages)."""
-    if method == "pdrop":
+    """The 0-indexed scored layer of a one-layer ``method`` (None for staged and pre-LLM methods)."""
+    if get_method(method).where != "layer":
         return None
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if full_layers is not None:
         layer = full_layers - 1
     elif layer is None:
@@ -646,10 +673,18 @@ def _vision_dict(vision: VisionShape) -> dict[str, Any]:
 
 
 def _layer_cell(row: dict[str, Any]) -> str:
-    """The scored layer of a one-layer row; a staged row's first pruned layers."""
+    """The scored layer of a one-layer row; another row's first pruned layers."""
     if row["layer"] is not None:
         return str(row["layer"])
     return "cuts " + "/".join(str(first) for first, _ in row["cuts"])
+
+
+def _kept_cell(row: dict[str, Any]) -> str:
+    """K; where the stages keep other counts (several stages: the budget names their schedule; VisionZip's
+    K - 1), what each keeps as well."""
+    if [kept for _, kept in row["cuts"]] in ([], [row["kept"]]):
+        return str(row["kept"])
+    return f"{row['kept']}: " + "/".join(str(kept) for _, kept in row["cuts"])
 
 
 def _gflops(value: int) -> str:
@@ -674,7 +709,7 @@ def format_table(report: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     entries = [("vanilla", "-", assumptions["image_tokens"], report["vanilla"])]
-    entries += [(row["method"], _layer_cell(row), row["kept"], row) for row in report["rows"]]
+    entries += [(row["method"], _layer_cell(row), _kept_cell(row), row) for row in report["rows"]]
     for method, layer, kept, entry in entries:
         flops = entry["flops"]
         cells = [_gflops(flops[term]) for term in (*TERMS, "total")]
