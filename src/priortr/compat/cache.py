@@ -9,8 +9,10 @@ key-value layer refuses calls no attached engine claimed; see ``priortr.engine.l
 ``LAYER_OPERATIONS`` maps each key-value layer type priortr can prune to them: full attention's, and the
 window caches of sliding and chunked layers, which keep the tail of what their layer saw. State layers
 (``STATE_LAYERS``: linear attention's recurrent and convolution states) hold nothing per token and are
-left as they are. A cache with any other layer type in the pruned layers is refused
-(``check_prunable``).
+left as they are, but for the count of tokens they saw, which transformers 5.25 keeps on them
+(``cumulative_length_linear``) and reads as the cache's length where layer 0 is one (Qwen3.5): it
+becomes the kept prompt's length, as the key-value layers'. A cache with any other layer type in the
+pruned layers is refused (``check_prunable``).
 """
 
 from __future__ import annotations
@@ -217,6 +219,9 @@ STATE_LAYERS = (LinearAttentionCacheLayerMixin,)
 """Cache layers of a fixed-size state per sequence (linear attention's recurrent and convolution states):
 nothing per token to remove. The state of a layer up to the scored one has absorbed every prompt token;
 that of a later layer only the kept ones, since its layer ran on them."""
+STATE_TOKEN_COUNT = "cumulative_length_linear"
+"""A state layer's device count of the tokens it saw (transformers 5.25 on; absent before), which
+``Cache.get_seq_length()`` returns when layer 0 is a state layer."""
 _PLAIN = {operations.guarded: plain for plain, operations in LAYER_OPERATIONS.items()}
 _BASE = {**_PLAIN, ShrunkStaticLayer: StaticLayer}
 """The layer type whose ``LAYER_OPERATIONS`` apply to a guarded or shortened layer."""
@@ -243,13 +248,16 @@ def first_layer(cache: Any) -> Any:
 
 
 def length(cache: Any) -> int | torch.Tensor:
-    """Tokens in the cache: an int, or for a static cache a device tensor (reading it blocks the host)."""
-    return cache.get_seq_length()
+    """Tokens in the cache, as its first key-value layer holds them (0 before it has any): an int, or for a
+    static cache a device tensor (reading it blocks the host). (``Cache.get_seq_length()`` reads layer 0,
+    which from transformers 5.25 may be a state layer whose count is a device tensor.)"""
+    first = first_layer(cache)
+    return 0 if first is None else first.get_seq_length()
 
 
 def host_length(cache: Any) -> int | None:
     """Tokens in the cache when the host knows them without reading the device; None for static caches."""
-    tokens = cache.get_seq_length()
+    tokens = length(cache)
     return tokens if isinstance(tokens, int) else None
 
 
@@ -301,6 +309,9 @@ def _compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> 
         if getattr(cache_layer, "keys", None) is None or cache_layer.keys.numel() == 0:
             raise ValueError("cannot prune an empty cache layer; pruning happens during the prefill")
         _operations(cache_layer).compact(cache_layer, index, seq_len)
+    for cache_layer in layers(cache)[:layers_run]:
+        if isinstance(getattr(cache_layer, STATE_TOKEN_COUNT, None), torch.Tensor):
+            getattr(cache_layer, STATE_TOKEN_COUNT).fill_(index.shape[1])  # in place: a static address
     for cache_layer in layers(cache)[layers_run:]:  # the layers still to run: shorter from the start
         operations = _operations(cache_layer)
         if operations is not None and operations.static and not operations.window:
