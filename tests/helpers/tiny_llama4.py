@@ -100,7 +100,7 @@ def tiny_llama4(
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([[BOS_ID]]))
-    except AttributeError as error:  # 5.24.0 reads outputs.image_outputs, which the text model's output lacks
+    except AttributeError as error:  # 5.24.0 alone reads outputs.image_outputs, absent from the text output
         pytest.skip(f"transformers {transformers.__version__}'s own Llama 4 forward fails: {error}")
     return model
 

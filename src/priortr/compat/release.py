@@ -16,7 +16,7 @@ from packaging.version import Version
 FLOOR = "5.17.0"
 """The oldest release CI tests (the accelerator machines' image ships it)."""
 
-NEWEST_TESTED = "5.24.0"
+NEWEST_TESTED = "5.25.0"
 """The newest release the pinned set-up (``constraints/tested.txt``) was tested with."""
 
 
