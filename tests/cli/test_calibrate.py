@@ -124,6 +124,18 @@ def test_clse_is_calibrated_on_its_schedule(loaded, folder: Path, tmp_path: Path
     measured = run_calibration(loaded, folder, tmp_path, [setting]).measurements[0]
     assert measured.mean_kept == 2
     assert 0 < measured.flops_share < 1
+    # a ratio whose first stage would keep every token: CLSE runs no stage, and costs vanilla's FLOPs
+    unpruned = run_calibration(loaded, folder, tmp_path, [calibrate.Setting("clse", None, 0.9)]).measurements
+    assert (unpruned[0].mean_kept, unpruned[0].flops_share) == (LLAVA_N_VISUAL, 1.0)
+
+
+def test_flops_count_the_tokens_a_method_leaves(loaded, folder: Path, tmp_path: Path) -> None:
+    """VisionZip leaves K - 1 (its [CLS] takes a slot): its FLOPs are DivPrune's at K - 1, both cut before
+    the language model, on the same prompts; not DivPrune's at K."""
+    settings = [calibrate.Setting("visionzip", None, 4), *calibrate.grid(["divprune"], [1], [3, 4])]
+    visionzip, divprune_3, divprune_4 = run_calibration(loaded, folder, tmp_path, settings).measurements
+    assert visionzip.mean_kept == divprune_3.mean_kept == 3
+    assert visionzip.flops_share == divprune_3.flops_share < divprune_4.flops_share
 
 
 def test_a_rerun_measures_only_new_configurations(loaded, folder: Path, tmp_path: Path, monkeypatch) -> None:

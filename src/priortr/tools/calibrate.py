@@ -333,8 +333,12 @@ class Calibrator:
                 kept += (handle.last.kept >= 0).sum(1).tolist()
                 n_visual = (inputs["input_ids"] == image_token).sum(1).tolist()
                 n_text = inputs["attention_mask"].sum(1).tolist()
-                for visual, total in zip(n_visual, n_text, strict=True):
-                    stages = handle.config.schedule(visual, self.n_layers)
+                # what each stage left in each row, as the engine recorded it: VisionZip leaves K - 1,
+                # SparseVLM recycles clusters on top of its schedule's counts (no stage: nothing pruned)
+                layers = [stage.layer for stage in handle.last.stages]
+                left = [(stage.kept >= 0).sum(1).tolist() for stage in handle.last.stages]  # [stages][B]
+                for row, (visual, total) in enumerate(zip(n_visual, n_text, strict=True)):
+                    stages = [(layer, counts[row]) for layer, counts in zip(layers, left, strict=True)]
                     flops += scheduled_prefill_flops(self.model.config, total - visual, visual, stages)
                     flops_full += scheduled_prefill_flops(self.model.config, total - visual, visual, [])
                 start += len(batch)
