@@ -38,10 +38,10 @@ stages the engine runs (``PruningConfig.schedule``, at the method's default opti
 methods cut after their scored layer, multi-stage methods (CLSE, PyramidDrop) after each stage, and
 the methods that prune before the language model (VisionZip, DivPrune, ...) before layer 0, after
 the vision tower and the projector have run on every visual token, as the engine does (VisionZip
-leaves K - 1: ``CLS_TAKES_A_SLOT``). The ``pdrop``
-rows alone keep PyramidDrop's own cache (each layer caches what it processed, the paper's PDrop
-KV-cache column); every other row has this package's compacted cache. SparseVLM is not counted: it
-recycles clusters on top of its schedule's counts (``priortr bench`` measures the tokens it leaves).
+leaves K - 1: ``CLS_TAKES_A_SLOT``). The ``pdrop`` rows alone keep PyramidDrop's own cache (each
+layer caches what it processed, the paper's PDrop KV-cache column); every other row has this
+package's compacted cache. SparseVLM is not counted: it recycles clusters on top of its schedule's
+counts (``priortr bench`` measures the tokens it leaves).
 
 The paper's own FLOPs and KV-cache columns, and the assumptions that reproduce them, are not part of
 the library: ``benchmarks/paper_flops.py`` in the repository.
