@@ -263,7 +263,7 @@ class Calibrator:
             raise ValueError("tokens, batch_size and repeats must be >= 1 and warmup >= 0")
         self.model, self.processor, self.prompts = model, processor, list(prompts)
         self.tokens, self.batch_size, self.warmup, self.repeats = tokens, batch_size, warmup, repeats
-        self.n_layers = len(adapter_for(model).decoder_layers(model))
+        adapter_for(model)  # refuses an unsupported model before the unpruned reference runs
         self._progress = progress or (lambda items: items)
         self._batches = [self.prompts[i : i + batch_size] for i in range(0, len(self.prompts), batch_size)]
         self._timing_inputs = self._encode(self.prompts[:1])  # one prompt: the unbatched latency
