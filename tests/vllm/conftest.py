@@ -1,12 +1,16 @@
 """The vLLM tests run only where vLLM is installed (``scripts/test-vllm.sh`` builds ``.venv-vllm``);
 elsewhere this folder is skipped. Engines run in this process (no engine-core or worker processes),
-so a test can patch a fault into the plug-in and see the answer change."""
+so a test can patch a fault into the plug-in and see the answer change. A run serves with the model
+runner ``scripts/test-vllm.sh --runner`` chose (``runners.py``), and every engine a test builds is
+checked to run it."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +28,31 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "last_in_class: runs after the other tests of its class (family_contract.py)"
     )
+
+
+def pytest_report_header() -> str:
+    from tests.vllm.runners import RUNNER
+
+    return f"vLLM model runner: {RUNNER} (PRIORTR_VLLM_RUNNER)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_run_the_chosen_runner() -> Iterator[None]:
+    """Every offline engine a test builds is checked, once built, to run the runner this test run asked
+    for (``runners.check_engine``); a server is checked through its log (``test_http.serving``)."""
+    from vllm import LLM
+
+    from tests.vllm.runners import check_engine
+
+    stock = LLM.__init__
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        stock(self, *args, **kwargs)
+        check_engine(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLM, "__init__", checked)
+        yield
 
 
 @pytest.hookimpl(trylast=True)

@@ -158,8 +158,9 @@ def test_context_parallelism_and_micro_batching_are_refused(llava_dir, field, va
     UBatchWrapper, vllm/v1/worker/gpu_model_runner.py:5159), set on a built config: vLLM's CPU build
     refuses PCP (V1 runner), DCP on this checkpoint (it needs more ranks than KV heads) and
     --ubatch-size (its all-to-all backends) itself. The same config without the setting has no
-    refusal (test_model_runner_v2_starts)."""
+    refusal (the negative control)."""
     config = config_of(llava_dir)
+    assert refusals(config) == []
     setattr(config.parallel_config, field, value)
     assert [line for line in refusals(config) if flag in line]
     with pytest.raises(ValueError, match=flag):
@@ -329,17 +330,6 @@ def test_unserved_hook_keeps_vllms_own_hook():
     stock = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), architecture="X"))
     hook.verify_and_update_config(stock)
     assert seen == [stock]
-
-
-def test_model_runner_v2_starts(llava_dir, monkeypatch):
-    """vLLM's CPU build cannot configure Model Runner V2 (it needs a Triton with a CPU backend), so V2
-    is stood in by the config's own flag: an engine that would run it is accepted
-    (test_model_runner_v2.py drives V2's input preparation after a preemption)."""
-    config = config_of(llava_dir)
-    monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
-    assert config.use_v2_model_runner
-    assert refusals(config) == []
-    PruningConfigHook.verify_and_update_config(config)
 
 
 def test_unreadable_attention_backend_is_refused():
