@@ -24,6 +24,7 @@ from PIL import Image
 
 from tests.helpers.server import free_port, wait_healthy
 from tests.vllm.reference import QWEN_IMAGE, hf_tokens, image
+from tests.vllm.runners import check_server_log
 
 SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
 REQUEST_BUDGETS = [2, 8]
@@ -36,7 +37,8 @@ QUESTION = "what is in the image"
 @contextmanager
 def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator[str]:
     """``vllm serve`` of ``model`` with the plug-in's ``settings`` on a free port of 127.0.0.1: its URL
-    once /health answers, the server stopped on exit."""
+    once /health answers (its log showing the runner this test run asked for), the server stopped on
+    exit."""
     port = free_port()
     log = (log_dir / "serve.log").open("w")
     command = [
@@ -58,6 +60,8 @@ def serving(model: Path, log_dir: Path, settings: dict, *extra: str) -> Iterator
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, START_TIMEOUT_S, Path(log.name))
+        log.flush()
+        check_server_log(Path(log.name).read_text())
         yield url
     finally:
         process.terminate()
