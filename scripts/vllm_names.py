@@ -82,11 +82,14 @@ LINEAR_ROPE = ("llava", "interns1", "llava_next", "llava_onevision", "mistral3")
 
 @dataclass(frozen=True)
 class Name:
-    """``module``'s ``name`` (``Class.member`` for a member), with the parameters it must take."""
+    """``module``'s ``name`` (``Class.member`` for a member), with the parameters it must take; where
+    ``either`` names others of the same module, any one of them found will do (a name a release
+    replaced, which the plug-in reads whichever the installed release has)."""
 
     module: str
     name: str
     parameters: tuple[str, ...] = ()
+    either: tuple[str, ...] = ()
 
 
 def _served() -> list[Name]:
@@ -189,7 +192,10 @@ NAMES = [
     Name("vllm.v1.core.encoder_cache_manager", "EncoderCacheManager.num_freeable_slots"),
     Name("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
     Name("vllm.v1.core.kv_cache_manager", "KVCacheManager.prefix_cache_lookup_enabled", ("request",)),
-    Name("vllm.v1.request", "Request.skip_reading_prefix_cache"),
+    Name("vllm.v1.request", "Request.prefix_cache_hit_limit", either=("Request.skip_reading_prefix_cache",)),
+    Name("vllm.v1.request", "Request.resumable"),
+    Name("vllm.v1.request", "Request.request_id"),
+    Name("vllm.v1.core.sched.scheduler", "Scheduler.encoder_cache_mismatch_reqs"),
     Name("vllm.v1.request", "Request.num_prompt_tokens"),
     Name("vllm.v1.request", "Request.max_tokens"),
     Name("vllm.v1.core.sched.scheduler", "Scheduler.vllm_config"),
@@ -368,27 +374,31 @@ def missing(root: Path, names: list[Name] = NAMES) -> list[str]:
     source = Source(root)
     problems = []
     for entry in names:
-        owner, _, member = entry.name.partition(".")
-        found = source.find(entry.module, owner)
-        label = f"{entry.module}.{entry.name}"
-        if found is None:
-            problems.append(f"{label}: not found")
-            continue
-        node = found[1]
-        if member:
-            if not isinstance(node, ast.ClassDef):
-                problems.append(f"{label}: {owner} is not a class")
-                continue
-            node = source.member(found[0], node, member)
-            if node is None:
-                problems.append(f"{label}: not found")
-                continue
-        if entry.parameters:
-            taken = _parameters(node)
-            lacking = [] if taken is None else [p for p in entry.parameters if p not in taken]
-            if lacking:
-                problems.append(f"{label}: takes no {', '.join(lacking)}")
+        alternatives = (entry.name, *entry.either)
+        found = [problem(source, entry.module, name, entry.parameters) for name in alternatives]
+        if all(found):
+            problems.append(" or ".join(found))
     return problems
+
+
+def problem(source: Source, module: str, name: str, parameters: tuple[str, ...]) -> str | None:
+    """What is wrong with ``module``'s ``name`` in ``source``: None where it is found as the plug-in
+    needs it."""
+    owner, _, member = name.partition(".")
+    found = source.find(module, owner)
+    label = f"{module}.{name}"
+    if found is None:
+        return f"{label}: not found"
+    node = found[1]
+    if member:
+        if not isinstance(node, ast.ClassDef):
+            return f"{label}: {owner} is not a class"
+        node = source.member(found[0], node, member)
+        if node is None:
+            return f"{label}: not found"
+    taken = _parameters(node) if parameters else None
+    lacking = [] if taken is None else [p for p in parameters if p not in taken]
+    return f"{label}: takes no {', '.join(lacking)}" if lacking else None
 
 
 def main(argv: list[str]) -> int:

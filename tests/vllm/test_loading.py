@@ -32,8 +32,11 @@ from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
         ("0.32.0+cpu", True),
         ("0.33.0", True),
         ("0.33.1.dev5+g0123abc", True),
+        ("0.34.0", True),
+        ("0.34.1rc1", True),
         ("0.31.2", False),
-        ("0.34.0", False),
+        ("0.35.0", False),
+        ("0.35.0.dev3", False),
         ("0.99.0", False),
         ("unknown", False),
     ],
@@ -112,7 +115,7 @@ def test_unsupported_vllm_refuses_priortr_and_starts_stock(monkeypatch, llava_di
     plugin.register()
     with pytest.raises(
         ValueError,
-        match=r"priortr's vLLM plug-in is not active .*>=0\.32,<0\.34 and found 0\.99\.0.*unpruned",
+        match=r"priortr's vLLM plug-in is not active .*>=0\.32,<0\.35 and found 0\.99\.0.*unpruned",
     ):
         engine_config(llava_dir, {"method": "priortr", "budget": 4})
     stock = engine_config(llava_dir, None)
@@ -138,7 +141,7 @@ def test_error_while_registering_refuses_a_priortr_model(monkeypatch, caplog, ll
         logging.WARNING
     ]  # vLLM's own notes on re-registering aside
     assert "MULTIMODAL_REGISTRY" in ours[0].getMessage()
-    with pytest.raises(ValueError, match=r"not active \(registering it .* ImportError: .*>=0\.32,<0\.34"):
+    with pytest.raises(ValueError, match=r"not active \(registering it .* ImportError: .*>=0\.32,<0\.35"):
         engine_config(llava_dir, {"method": "priortr", "budget": 4})
     engine_config(llava_dir, None)
 
@@ -154,7 +157,7 @@ def test_server_help_runs_on_an_unsupported_vllm():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--hf-overrides" in done.stdout
     assert (
-        "plug-in is not active (it supports vLLM >=0.32,<0.34 and found 0.99.0)" in done.stdout + done.stderr
+        "plug-in is not active (it supports vLLM >=0.32,<0.35 and found 0.99.0)" in done.stdout + done.stderr
     )
 
 

@@ -29,8 +29,14 @@ def feature(modality: str = "image", data: dict | None = None) -> SimpleNamespac
 
 
 def stand_in(*features: SimpleNamespace) -> SimpleNamespace:
+    """A request as vLLM 0.32/0.33 builds it (0.34's prefix-cache field: ``test_release_0_34.py``)."""
     return SimpleNamespace(
-        mm_features=list(features), num_prompt_tokens=PROMPT, skip_reading_prefix_cache=False, max_tokens=1
+        request_id="r",
+        mm_features=list(features),
+        num_prompt_tokens=PROMPT,
+        skip_reading_prefix_cache=False,
+        max_tokens=1,
+        resumable=False,
     )
 
 
@@ -71,6 +77,7 @@ def bare(monkeypatch) -> tuple[PruningScheduler, list, dict]:
     monkeypatch.setattr(Scheduler, "add_request", lambda self, request: calls.append(request))
     scheduler = object.__new__(PruningScheduler)
     scheduler.max_num_scheduled_tokens, scheduler.max_num_encoder_input_tokens = 1000, 100
+    scheduler.refused_sessions, scheduler.encoder_cache_mismatch_reqs = set(), set()
     text = SimpleNamespace(max_position_embeddings=POSITIONS)
     model = SimpleNamespace(max_model_len=MAX_MODEL_LEN, hf_text_config=text)
     scheduler.vllm_config = SimpleNamespace(model_config=model)
@@ -84,6 +91,22 @@ def test_a_pruned_request_skips_the_prefix_cache_from_its_arrival(bare):
         scheduler.add_request(request)
     assert calls == [PRUNED, UNPRUNED]
     assert PRUNED.skip_reading_prefix_cache and not UNPRUNED.skip_reading_prefix_cache
+
+
+def test_the_prefix_cache_switch_is_the_release_s_own(bare):
+    """vLLM 0.34's request carries the hit bound (None: unbounded), which the scheduler sets to 0 and
+    leaves any old attribute alone; a request with neither switch is refused (it would read the cache)."""
+    scheduler, calls, _ = bare
+    bounded = pruned_stand_in()
+    del bounded.skip_reading_prefix_cache
+    bounded.prefix_cache_hit_limit = None
+    scheduler.add_request(bounded)
+    assert bounded.prefix_cache_hit_limit == 0 and not hasattr(bounded, "skip_reading_prefix_cache")
+    neither = pruned_stand_in()
+    del neither.skip_reading_prefix_cache
+    with pytest.raises(RuntimeError, match="prefix_cache_hit_limit"):
+        scheduler.add_request(neither)
+    assert calls == [bounded]
 
 
 def test_a_pruned_answer_ends_before_its_positions_leave_the_model(bare):
@@ -181,6 +204,7 @@ def charging(monkeypatch) -> PruningScheduler:
     monkeypatch.setattr(Scheduler, "schedule", lambda self: "scheduled")
     scheduler = object.__new__(PruningScheduler)
     scheduler.max_num_scheduled_tokens, scheduler.max_num_encoder_input_tokens = 200, 100
+    scheduler.encoder_cache_mismatch_reqs = set()
     return scheduler
 
 

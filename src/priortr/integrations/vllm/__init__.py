@@ -18,7 +18,7 @@ import logging
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_RANGE = ">=0.32,<0.34"
+SUPPORTED_RANGE = ">=0.32,<0.35"
 """The vLLM releases whose internals the plug-in was written and checked against (docs/serving.md)."""
 SUPPORTED_VLLM = SpecifierSet(SUPPORTED_RANGE)
 

@@ -16,9 +16,12 @@ pruned step runs the layers one by one. What would replay or compile ``forward``
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import vllm
+from packaging.version import Version
 from vllm import envs
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
@@ -29,6 +32,7 @@ from priortr.integrations.vllm.guard import SettingsGuard
 from priortr.integrations.vllm.positions import MROPE, FamilyLayout
 from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
 
+logger = logging.getLogger(__name__)
 SCHEDULER = "priortr.integrations.vllm.scheduler.PruningScheduler"
 """The scheduler a pruning model is served with (``scheduler.py``), named so that vLLM imports it
 where it schedules, not in every process that reads the config."""
@@ -36,19 +40,59 @@ BREAKABLE_GRAPHS = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 """vLLM's switch of breakable CUDA graphs, which replay a captured whole-model step. vLLM turns it on
 by itself after the config hooks run, for some architectures or under batch-invariant mode, unless
 it is set (vLLM 0.33: ``vllm/config/vllm.py:842-862``, run at ``:1793``, after the hooks at
-``:1539``); a pruning model's hook sets it to ``0``, vLLM's opt-out, where it is unset."""
+``:1539``; 0.34 resolves ``CompilationConfig.use_breakable_cudagraph`` from it the same way,
+``vllm/config/vllm.py:810-834``, after the hooks at ``:1483``); a pruning model's hook sets it to
+``0``, vLLM's opt-out, where it is unset."""
 LINEAR_ROPE_CHANNELS = [1, 1, 1]
 """A 3-channel M-RoPE layout declared on a 1-D RoPE model's top-level config, so that vLLM keeps
 per-request positions for it (``positions.py``); its language model still builds plain RoPE."""
 
 
-def step_limit(scheduler_config: Any) -> int:
+THRESHOLD_NEEDS_CHUNKING = Version(vllm.__version__).release >= (0, 34)
+"""Whether this vLLM applies ``long_prefill_token_threshold`` only with chunked prefill on: from 0.34
+(``vllm/v1/core/sched/scheduler.py:775-779``, ``vllm/config/scheduler.py:90-93``); 0.32 and 0.33 cut a
+long prefill to it with chunked prefill off too (0.33: ``scheduler.py:759-763``)."""
+
+
+def step_limit(scheduler_config: Any, threshold_needs_chunking: bool = THRESHOLD_NEEDS_CHUNKING) -> int:
     """The longest prompt vLLM schedules in one step: ``max_num_batched_tokens``, or a positive
-    ``long_prefill_token_threshold`` below it (vLLM cuts a longer prefill to it whenever another
-    request waits or runs). A pruned prompt must fit (``scheduler.py``)."""
+    ``long_prefill_token_threshold`` below it where this vLLM applies it (it cuts a longer prefill to it
+    whenever another request waits or runs; from 0.34 only with chunked prefill on,
+    ``THRESHOLD_NEEDS_CHUNKING``). A pruned prompt must fit (``scheduler.py``)."""
     limit = scheduler_config.max_num_batched_tokens
     threshold = scheduler_config.long_prefill_token_threshold
+    if threshold_needs_chunking and not scheduler_config.enable_chunked_prefill:
+        return limit
     return min(limit, threshold) if threshold > 0 else limit
+
+
+MEMORY_UTILIZATION = 0.92
+"""The share of the GPU's memory a pruning engine sizes its KV cache within when the user sets no memory
+policy (``memory_policy``): vLLM's default up to 0.33, under which the plug-in's memory argument was made
+(docs/serving.md, "Memory")."""
+
+
+def memory_policy(cache_config: Any) -> str | None:
+    """Choose the engine's memory sizing on purpose where the user left it to vLLM, and say what was
+    chosen (None where nothing was left unset).
+
+    From vLLM 0.34 an unset ``gpu_memory_utilization`` is None and means 1.0 with the extensible KV cache
+    (the default on CUDA and ROCm), which sizes the cache from the peak of stock warm-up steps plus
+    ``max(1 GiB, 0.75 x peak)`` (``vllm/config/cache.py:216-234,495-501``,
+    ``vllm/v1/worker/extensible_kv_cache.py:55-74,280-298``), a margin that no step of the plug-in's is in:
+    a pruned step's layers 0..L over its whole prompts run outside the profile. Here the sizing becomes
+    0.33's: ``MEMORY_UTILIZATION`` and the KV cache sized from the start-up profile, not extended after
+    warm-up, so that a fixed share of the card stays beside the KV cache. An explicit
+    ``gpu_memory_utilization``, ``kv_cache_memory_bytes`` or ``enable_extensible_kv_cache`` is the user's
+    and is kept. On 0.32/0.33 the setting is never unset (its default is 0.92) and nothing changes."""
+    if cache_config.gpu_memory_utilization is not None or cache_config.kv_cache_memory_bytes is not None:
+        return None
+    cache_config.gpu_memory_utilization = MEMORY_UTILIZATION
+    chosen = f"gpu_memory_utilization={MEMORY_UTILIZATION}"
+    if getattr(cache_config, "enable_extensible_kv_cache", False) is None:
+        cache_config.enable_extensible_kv_cache = False
+        chosen += " and the extensible KV cache off"
+    return chosen
 
 
 def whole_prompt_limit(scheduler_config: Any) -> int:
@@ -213,6 +257,14 @@ class PruningConfigHook(VerifyAndUpdateConfig):
             scheduler.scheduler_cls = SCHEDULER
         setattr(vllm_config.model_config.hf_config, STEP_LIMIT_KEY, step_limit(scheduler))
         setattr(vllm_config.model_config.hf_config, WHOLE_LIMIT_KEY, whole_prompt_limit(scheduler))
+        chosen = memory_policy(vllm_config.cache_config)
+        if chosen is not None:
+            logger.info(
+                "priortr: no memory setting given, so the engine runs with %s: a pruned step's layers "
+                "0..L over whole prompts need room beside the KV cache that vLLM's warm-up does not "
+                "measure (docs/serving.md, Memory); pass --gpu-memory-utilization to choose",
+                chosen,
+            )
 
 
 class DeepStackConfigHook(PruningConfigHook):

@@ -25,11 +25,11 @@ the plug-in's code. The hooks:
   layers while they run the rest of the batch, then runs layers L+1.. on the kept tokens at their
   original positions. Any other step is the stock forward. A step's model inputs may be longer than
   the tokens it embedded: vLLM's GPU runners embed the scheduled ids, then hand the model the buffer
-  padded to a CUDA-graph size (V1: ``vllm/v1/worker/gpu_model_runner.py:3320-3331``; Model Runner V2:
-  ``vllm/v1/worker/gpu/model_states/default.py:104-130``, vLLM 0.33). The padding rows follow every
-  request's rows; they run with the rows vLLM computes, as rows of no request (vLLM's attention
-  computes and caches the step's ``num_actual_tokens`` only), and the hidden states returned keep the
-  padded length.
+  padded to a CUDA-graph size (Model Runner V2: ``vllm/v1/worker/gpu/model_states/default.py:105,130``,
+  vLLM 0.34; the V1 runner of 0.32/0.33: ``vllm/v1/worker/gpu_model_runner.py:3320-3331``, 0.33). The
+  padding rows follow every request's rows; they run with the rows vLLM computes, as rows of no request
+  (vLLM's attention computes and caches the step's ``num_actual_tokens`` only), and the hidden states
+  returned keep the padded length.
 
 Qwen3-VL's DeepStack features ride in each image's encoder rows (vLLM packs them there); a pruned step
 adds them to the outputs of the first decoder layers as vLLM's own forward does (``prefill_step.py``).

@@ -167,7 +167,8 @@ def check_whole_prompt_limit(unpruned: int, limit: int | None) -> None:
     """Refuse a pruned prompt whose unpruned length (N placeholders per image) is more than one step
     runs of whole prompts (``limit``, None where no config hook ran): layers 0..L run on it whole, in
     one step, and vLLM budgets GPU memory from a start-up profile of ``limit`` tokens through every layer
-    (vLLM 0.33: ``vllm/v1/worker/gpu_model_runner.py:524``, ``:6133``), so a longer one would run
+    (vLLM 0.34's Model Runner V2: ``vllm/v1/worker/gpu/model_runner.py:238,1070-1091``; 0.33's V1 runner:
+    ``vllm/v1/worker/gpu_model_runner.py:524``, ``:6133``), so a longer one would run
     where no memory was set aside for it. A smaller budget does not help: the whole prompt is N per
     image whatever K."""
     if limit is not None and unpruned > limit:

@@ -6,10 +6,15 @@ layers 0..L, to the image's N tokens, which no cache holds, and which tokens sur
 prompt's last text rows. Neither a prefix-cache hit nor a chunk boundary inside the prompt can be
 served exactly, so a pruned request (its images carry a record, ``request_layout.ImageRecord``):
 
-* never reads the prefix cache: the scheduler sets vLLM's own per-request switch
-  ``skip_reading_prefix_cache`` (the one prompt logprobs use) when the request arrives, so it holds
-  for every admission, a re-prefill after preemption included, and vLLM's hit statistics do not
-  count it as a lookup;
+* never reads the prefix cache: the scheduler sets vLLM's own per-request bound when the request
+  arrives, so it holds for every admission, a re-prefill after preemption included, and vLLM's hit
+  statistics do not count it as a lookup (``keep_off_prefix_cache``);
+* is not served in a streaming-input session (a resumable request, vLLM's Python ``AsyncLLM`` input
+  streams): a session appends later prompts and images to the request, resets its ``max_tokens`` and,
+  in vLLM 0.34, recomputes its prefix-cache bound (``_update_request_as_session``,
+  ``vllm/v1/core/sched/scheduler.py:1933-1971`` in 0.34), while the plug-in's records describe one
+  prompt. It is finished at once with vLLM's own per-request error (finish reason ``error``), the
+  engine and the other requests unharmed, and a warning names the fix;
 * is scheduled with its whole prompt in the step that starts its prefill: a chunk that would end
   inside the prompt is not scheduled that step (vLLM's own answer when an image's encoder budget is
   spent), and the prompt waits for a step with room for it. The tokens after the prompt (a
@@ -50,6 +55,7 @@ image at the N embeddings the plug-in stores (docs/serving.md, "What a pruned re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
@@ -59,6 +65,26 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
 from priortr.integrations.vllm.request_layout import recorded_lengths
 from priortr.integrations.vllm.settings import position_limit
+
+logger = logging.getLogger(__name__)
+
+
+def keep_off_prefix_cache(request: Any) -> None:
+    """Keep a vLLM request from reading the prefix cache, with vLLM's own per-request switch: from vLLM
+    0.34 the hit bound ``prefix_cache_hit_limit``, 0 (never read; set in ``Request.__init__``, tested by
+    ``KVCacheManager.prefix_cache_lookup_enabled``: ``vllm/v1/request.py:245,364-377``,
+    ``vllm/v1/core/kv_cache_manager.py:251-253``), before it ``skip_reading_prefix_cache`` (0.32/0.33,
+    the switch prompt logprobs use). Refuses a request that has neither, rather than let it read."""
+    if hasattr(request, "prefix_cache_hit_limit"):
+        request.prefix_cache_hit_limit = 0
+    elif hasattr(request, "skip_reading_prefix_cache"):
+        request.skip_reading_prefix_cache = True
+    else:
+        raise RuntimeError(
+            "priortr: this vLLM's requests have neither prefix_cache_hit_limit (0.34) nor "
+            "skip_reading_prefix_cache (0.32/0.33), so a pruned prompt cannot be kept off the prefix "
+            "cache; install a vLLM the plug-in supports (priortr.integrations.vllm.SUPPORTED_RANGE)"
+        )
 
 
 def pruned(request: Any) -> bool:
@@ -80,7 +106,10 @@ class PruningScheduler(Scheduler):
         manager = self.encoder_cache_manager
         if type(manager) is EncoderCacheManager:  # vLLM's own (not a configured or encoder-decoder one)
             self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size)
+        self.refused_sessions: set[str] = set()
 
+    refused_sessions: set[str]
+    """The streaming-input sessions whose pruned request was refused, until their end arrives."""
     pruned_tokens = 0
     """S of the pruned prompts started in the step being scheduled (reset by ``schedule``)."""
 
@@ -90,11 +119,32 @@ class PruningScheduler(Scheduler):
 
     def add_request(self, request: Any) -> None:
         if pruned(request):
-            request.skip_reading_prefix_cache = True
+            keep_off_prefix_cache(request)
             unpruned = recorded_lengths(request.mm_features).unpruned
             room = max(position_limit(self.vllm_config.model_config) - unpruned, 1)
             request.max_tokens = min(request.max_tokens, room)
+        if (pruned(request) and request.resumable) or request.request_id in self.refused_sessions:
+            self._refuse_in_session(request)
         super().add_request(request)
+
+    def _refuse_in_session(self, request: Any) -> None:
+        """Finish a pruned request of a streaming-input session, and every later chunk of that session
+        (its end included), with vLLM's own per-request failure: FINISHED_ERROR and an output carrying
+        finish reason ``error`` at the next update (``vllm/v1/core/sched/scheduler.py:2619-2645`` in 0.34,
+        ``:2302-2326`` in 0.32), its images never scheduled before then (``_try_schedule_encoder_inputs``)."""
+        if request.request_id not in self.refused_sessions:
+            logger.warning(
+                "priortr: request %s prunes visual tokens in a streaming-input session, which the plug-in "
+                "does not serve (a session appends prompts to a request whose pruned layout is fixed); it "
+                "is finished with an error. Send each prompt as its own request, or turn pruning off for "
+                'the session\'s requests (mm_processor_kwargs {"priortr": {"enabled": false}})',
+                request.request_id,
+            )
+        if request.resumable:
+            self.refused_sessions.add(request.request_id)
+        else:  # the session's end
+            self.refused_sessions.discard(request.request_id)
+        self.encoder_cache_mismatch_reqs.add(request.request_id)
 
     def _try_schedule_encoder_inputs(
         self,
@@ -110,6 +160,8 @@ class PruningScheduler(Scheduler):
         images' N exceed the encoder budget left, or whose whole prompt S would take the step's pruned
         prompts past the step (module docstring)."""
         nothing = ([], 0, encoder_compute_budget, [], [])
+        if request.request_id in self.encoder_cache_mismatch_reqs:
+            return nothing
         if self._splits_prompt(request, num_computed_tokens, num_new_tokens):
             return nothing
         starts = num_computed_tokens == 0 and pruned(request)
