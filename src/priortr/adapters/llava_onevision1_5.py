@@ -16,7 +16,6 @@ merged patch grids in front of a Qwen3 language model with plain 1-D RoPE.
 import torch
 from torch import nn
 
-from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
 
@@ -32,11 +31,11 @@ class LlavaOnevision15Adapter(QwenVLAdapter):
                 "LLaVA-OneVision-1.5 numbers its tokens with 1-D RoPE: position ids must be [B, S]; got "
                 f"shape {tuple(position_ids.shape)} (M-RoPE ids are Qwen2-VL's, not this model's)"
             )
-        return FamilyAdapter.text_positions(self, model, position_ids)
+        return position_ids
 
     def continuation_position_ids(self, model: nn.Module, text_positions: torch.Tensor) -> torch.Tensor:
         """The text positions [B, S] themselves."""
-        return FamilyAdapter.continuation_position_ids(self, model, text_positions)
+        return text_positions
 
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor
