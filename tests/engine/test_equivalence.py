@@ -125,7 +125,19 @@ def test_full_budget_and_remove_are_bit_identical(family):
 
 
 @pytest.mark.parametrize(
-    "family", ["llava", "qwen2.5-vl", "mistral3", "glm4v", "qwen3.5", "gemma3", "llama4"]
+    "family",
+    [
+        "llava",
+        "qwen2.5-vl",
+        "mistral3",
+        "glm4v",
+        "qwen3.5",
+        "gemma3",
+        "llama4",
+        "llava-onevision-1.5",
+        "glm46v",
+        "glm46v-moe",
+    ],
 )
 @pytest.mark.parametrize("new_tokens_only", [False, True])
 def test_second_turn_on_pruned_cache_matches_masked_reference(family, new_tokens_only):

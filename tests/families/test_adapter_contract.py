@@ -16,11 +16,13 @@ from priortr.adapters import adapter_for
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.gemma3 import Gemma3Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
+from priortr.adapters.glm46v import Glm46VAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.llava_onevision1_5 import LlavaOnevision15Adapter
 from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
@@ -48,6 +50,9 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "qwen3.5-moe": Qwen3_5Adapter,
     "gemma3": Gemma3Adapter,
     "llama4": Llama4Adapter,
+    "llava-onevision-1.5": LlavaOnevision15Adapter,
+    "glm46v": Glm46VAdapter,
+    "glm46v-moe": Glm46VAdapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -69,6 +74,9 @@ DUMMY_TOKENS = {
     "qwen3.5-moe": 576,
     "gemma3": 16,
     "llama4": 5 * 4,  # 2 x 2 tiles and the global view, 4 x 4 patches each, pixel-shuffled by 0.5
+    "llava-onevision-1.5": 576,  # 48 x 48 patches, 2 x 2 merge
+    "glm46v": 576,
+    "glm46v-moe": 576,
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 

@@ -62,6 +62,9 @@ CASES = [
     ("glm4v", 1),
     ("llama4", 0),
     ("llama4", 1),
+    ("llava-onevision-1.5", 1),
+    ("glm46v", 1),
+    ("glm46v-moe", 1),
 ]
 
 

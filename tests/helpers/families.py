@@ -32,6 +32,7 @@ from tests.helpers.tiny_glm4v import (
     glm4v_video_batch,
     tiny_glm4v,
 )
+from tests.helpers.tiny_glm46v import tiny_glm46v, tiny_glm46v_moe
 from tests.helpers.tiny_internvl_smolvlm import (
     internvl_batch,
     internvl_multi_image_batch,
@@ -62,6 +63,13 @@ from tests.helpers.tiny_llava_family import (
     video_llava_batch,
     video_llava_multi_image_batch,
     video_llava_video_batch,
+)
+from tests.helpers.tiny_llava_onevision1_5 import (
+    llava_onevision1_5_batch,
+    llava_onevision1_5_multi_image_batch,
+    llava_onevision1_5_ragged_batch,
+    llava_onevision1_5_video_batch,
+    tiny_llava_onevision1_5,
 )
 from tests.helpers.tiny_mistral3 import (
     mistral3_batch,
@@ -99,6 +107,9 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "qwen3.5-moe": (tiny_qwen3_5_moe, qwen3_vl_batch),
     "gemma3": (tiny_gemma3, gemma3_batch),
     "llama4": (tiny_llama4, llama4_batch),
+    "llava-onevision-1.5": (tiny_llava_onevision1_5, llava_onevision1_5_batch),
+    "glm46v": (tiny_glm46v, glm4v_batch),
+    "glm46v-moe": (tiny_glm46v_moe, glm4v_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -140,6 +151,17 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
     },
     "gemma3": {"ragged": gemma3_ragged_batch, "two images": gemma3_multi_image_batch},
     "llama4": {"ragged": llama4_ragged_batch, "two images": llama4_multi_image_batch},
+    "llava-onevision-1.5": {
+        "ragged": llava_onevision1_5_ragged_batch,
+        "video": llava_onevision1_5_video_batch,
+        "two images": llava_onevision1_5_multi_image_batch,
+    },
+    "glm46v": {
+        "ragged": glm4v_ragged_batch,
+        "video": glm4v_video_batch,
+        "two images": glm4v_multi_image_batch,
+    },
+    "glm46v-moe": {"video": glm4v_video_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

@@ -211,7 +211,18 @@ methods score it there and methods that score several layers cannot run (refusal
 tests/families/test_local_and_linear_attention.py)."""
 
 
-GRID_FAMILIES = ("llava", "video-llava", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "glm4v")
+GRID_FAMILIES = (
+    "llava",
+    "video-llava",
+    "qwen2-vl",
+    "qwen2.5-vl",
+    "qwen3-vl",
+    "qwen3-vl-moe",
+    "glm4v",
+    "llava-onevision-1.5",
+    "glm46v",
+    "glm46v-moe",
+)
 """Families whose adapter lays an image's tokens on a grid (``token_grids``), for CLSE (the refusal
 elsewhere: tests/methods/test_methods_clse.py)."""
 

@@ -7,11 +7,13 @@ from torch import nn
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.gemma3 import Gemma3Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
+from priortr.adapters.glm46v import Glm46VAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.llava_onevision1_5 import LlavaOnevision15Adapter
 from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
@@ -75,6 +77,8 @@ register_adapter(Glm4vAdapter())
 register_adapter(Qwen3_5Adapter())
 register_adapter(Gemma3Adapter())
 register_adapter(Llama4Adapter())
+register_adapter(LlavaOnevision15Adapter())
+register_adapter(Glm46VAdapter())
 
 __all__ = [
     "FamilyAdapter",

@@ -170,7 +170,8 @@ def _merged_grid_inputs(
     n_visual = grid[1] * grid[2] // vision.spatial_merge_size**2
     ids = prompt_layout(config.image_token_id, n_visual, text_tokens, limit, batch, generator)
     ids = _bracketed(ids, n_visual, *markers)
-    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    frames = getattr(vision, "temporal_patch_size", 1)  # LLaVA-OneVision-1.5's tower: one frame per patch
+    patch = vision.in_channels * frames * vision.patch_size**2
     return {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
