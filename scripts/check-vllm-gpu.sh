@@ -5,8 +5,11 @@
 #    vLLM's CUDA build (the `vllm` distribution) in the plug-in's supported range and a torch that is
 #    not a +cpu build;
 # 2. the newest vLLM wheel in that range is downloaded (no dependencies, never installed) and
-#    scripts/vllm_names.py checks, in its source, every vLLM name the plug-in relies on.
-# About 2-3 minutes, most of it pip reading PyPI's metadata.
+#    scripts/vllm_names.py checks, in its source, every vLLM name the plug-in relies on;
+# 3. the newest vLLM on PyPI, where it is outside that range, is read the same way and what it lacks is
+#    printed as drift, without failing: the plug-in refuses to run on it (it fails closed), and the
+#    lines show what a port needs the day that release appears.
+# About 3-4 minutes, most of it pip reading PyPI's metadata and downloading the wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_CONFIG_FILE=/dev/null  # pip loads no configuration file at all
@@ -16,6 +19,14 @@ trap 'rm -rf "$work"' EXIT
 platforms=(--platform linux_x86_64 --platform manylinux2014_x86_64)
 for minor in $(seq 5 35); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
 target=(--only-binary=:all: --python-version 3.12 "${platforms[@]}")
+
+unpack() {  # WHEEL DIR: the wheel's Python sources under DIR
+  "$work/venv/bin/python" - "$1" "$2" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    wheel.extractall(sys.argv[2], [name for name in wheel.namelist() if name.endswith(".py")])
+PY
+}
 
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install --quiet --upgrade pip packaging
@@ -43,9 +54,24 @@ PY
 "$work/venv/bin/pip" download "${target[@]}" --quiet --no-deps "$range" -d "$work/vllm"
 vllm_wheel=$(ls "$work"/vllm/vllm-*.whl)
 echo "reading $(basename "$vllm_wheel")"
-"$work/venv/bin/python" - "$vllm_wheel" "$work/src" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as wheel:
-    wheel.extractall(sys.argv[2], [name for name in wheel.namelist() if name.endswith(".py")])
-PY
+unpack "$vllm_wheel" "$work/src"
 "$work/venv/bin/python" scripts/vllm_names.py "$work/src"
+newest_in_range=$(basename "$vllm_wheel" | cut -d- -f2)
+resolved=$("$work/venv/bin/python" -c "import json, sys; print(next(i['metadata']['version'] for i in json.load(open(sys.argv[1]))['install'] if i['metadata']['name'].lower() == 'vllm'))" "$work/report.json")
+if [ "$resolved" != "$newest_in_range" ]; then
+  # Say why pip passed over the newest supported release (its own pins, typically), without failing:
+  # the install above is the one a user gets today.
+  echo "note: pip resolved vllm $resolved, not vllm $newest_in_range, the newest release in the range; pinned:"
+  "$work/venv/bin/pip" install "${target[@]}" --dry-run --ignore-installed --quiet "$wheel[vllm]" \
+    "vllm==$newest_in_range" 2>&1 | grep -E '^ERROR' | grep -v '^ERROR: Ignored' | sed 's/^/note: /' || true
+fi
+
+"$work/venv/bin/pip" download "${target[@]}" --quiet --no-deps vllm -d "$work/newest"
+newest=$(ls "$work"/newest/vllm-*.whl)
+if [ "$(basename "$newest")" = "$(basename "$vllm_wheel")" ]; then
+  echo "the newest vLLM on PyPI, $(basename "$newest"), is in the supported range"
+else
+  echo "reading $(basename "$newest"), the newest vLLM on PyPI, outside the supported range (drift only)"
+  unpack "$newest" "$work/newest-src"
+  "$work/venv/bin/python" scripts/vllm_names.py "$work/newest-src" | sed 's/^/drift: /' || true
+fi
