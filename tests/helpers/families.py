@@ -25,6 +25,14 @@ from tests.helpers.tiny import (
     tiny_qwen2_vl,
 )
 from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_multi_image_batch, gemma3_ragged_batch, tiny_gemma3
+from tests.helpers.tiny_gemma4 import (
+    gemma4_batch,
+    gemma4_multi_image_batch,
+    gemma4_ragged_batch,
+    tiny_gemma4,
+    tiny_gemma4_e2b,
+    tiny_gemma4_moe,
+)
 from tests.helpers.tiny_glm4v import (
     glm4v_batch,
     glm4v_multi_image_batch,
@@ -99,6 +107,9 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "qwen3.5-moe": (tiny_qwen3_5_moe, qwen3_vl_batch),
     "gemma3": (tiny_gemma3, gemma3_batch),
     "llama4": (tiny_llama4, llama4_batch),
+    "gemma4": (tiny_gemma4, gemma4_batch),
+    "gemma4-e2b": (tiny_gemma4_e2b, gemma4_batch),
+    "gemma4-moe": (tiny_gemma4_moe, gemma4_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -140,6 +151,9 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
     },
     "gemma3": {"ragged": gemma3_ragged_batch, "two images": gemma3_multi_image_batch},
     "llama4": {"ragged": llama4_ragged_batch, "two images": llama4_multi_image_batch},
+    "gemma4": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
+    "gemma4-e2b": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
+    "gemma4-moe": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.gemma3 import Gemma3Adapter
+from priortr.adapters.gemma4 import Gemma4Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
 from priortr.adapters.internvl import InternVLAdapter
@@ -75,6 +76,7 @@ register_adapter(Glm4vAdapter())
 register_adapter(Qwen3_5Adapter())
 register_adapter(Gemma3Adapter())
 register_adapter(Llama4Adapter())
+register_adapter(Gemma4Adapter())
 
 __all__ = [
     "FamilyAdapter",
