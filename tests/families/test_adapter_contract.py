@@ -15,6 +15,7 @@ from priortr import compat
 from priortr.adapters import adapter_for
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.gemma3 import Gemma3Adapter
+from priortr.adapters.gemma4 import Gemma4Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.glm46v import Glm46VAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
@@ -53,6 +54,9 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "llava-onevision-1.5": LlavaOnevision15Adapter,
     "glm46v": Glm46VAdapter,
     "glm46v-moe": Glm46VAdapter,
+    "gemma4": Gemma4Adapter,
+    "gemma4-e2b": Gemma4Adapter,
+    "gemma4-moe": Gemma4Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -77,6 +81,9 @@ DUMMY_TOKENS = {
     "llava-onevision-1.5": 576,  # 48 x 48 patches, 2 x 2 merge
     "glm46v": 576,
     "glm46v-moe": 576,
+    "gemma4": 14 * 20,  # the processor's default 280 tokens, each pooled from 2 x 2 patches
+    "gemma4-e2b": 14 * 20,
+    "gemma4-moe": 14 * 20,
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 
@@ -115,9 +122,9 @@ def test_visual_items_cover_the_visual_tokens_once(models, family):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_accessors_are_the_modules_generate_runs(models, family):
-    """Every decoder layer, the q/k projections of its attention layers and the multimodal model run once
-    per ``generate()`` step; the vision modules run once, first before last (the images are encoded
-    once)."""
+    """Every decoder layer, the q/k projections of the layers a method can score and the multimodal model
+    run once per ``generate()`` step; the vision modules run once, first before last (the images are
+    encoded once)."""
     model = models[family]
     batch = FAMILIES[family][1](model, 2)  # first: the AnyRes builders ask the vision tower for counts
     adapter = adapter_for(model)
@@ -127,7 +134,7 @@ def test_accessors_are_the_modules_generate_runs(models, family):
     watched = {"multimodal": adapter.multimodal_model(model), "vision first": first, "vision last": last}
     for i, layer in enumerate(layers):
         watched[f"layer{i}"] = layer
-    for i in adapter.attention_layers(model):
+    for i in adapter.scored_layers(model):
         attention = adapter.attention(layers[i])
         watched[f"q{i}"] = adapter.query_projection(attention)
         watched[f"k{i}"] = adapter.key_projection(attention)
@@ -219,16 +226,16 @@ def test_dummy_inputs_run_and_parse(models, family):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_queries_keys_and_rope_reproduce_the_attention_weights(family):
-    """For every attention layer, softmax(rotate(q) rotate(k)^T * scaling + mask) from the captured q/k
-    projection outputs, through ``queries_and_keys``, ``rotate`` and the layer's own position embeddings
-    and mask, equals the weights eager attention computes (one unpadded row: eager float64 turns padded
-    rows into NaNs); without the rotation it does not, and ``inverse_rope`` undoes it (in layers without
-    RoPE, Llama 4's NoPE layers, ``rotate`` leaves them as they are)."""
+    """For every layer a method can score, softmax(rotate(q) rotate(k)^T * scaling + mask) from the
+    captured q/k projection outputs, through ``queries_and_keys``, ``rotate`` and the layer's own position
+    embeddings and mask, equals the weights eager attention computes (one unpadded row: eager float64
+    turns padded rows into NaNs); without the rotation it does not, and ``inverse_rope`` undoes it (in
+    layers without RoPE, Llama 4's NoPE layers, ``rotate`` leaves them as they are)."""
     model = FAMILIES[family][0](attn="eager")
     adapter = adapter_for(model)
     batch = FAMILIES[family][1](model, 1)
     layers = adapter.decoder_layers(model)
-    stores: dict[int, dict] = {index: {} for index in adapter.attention_layers(model)}
+    stores: dict[int, dict] = {index: {} for index in adapter.scored_layers(model)}
     handles = []
     for index, store in stores.items():
         attention = adapter.attention(layers[index])

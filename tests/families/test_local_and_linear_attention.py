@@ -23,6 +23,7 @@ from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_column
 from tests.helpers.tiny import Batch
 from tests.helpers.tiny_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
 from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_ragged_batch, tiny_gemma3
+from tests.helpers.tiny_gemma4 import gemma4_batch, gemma4_ragged_batch, tiny_gemma4, tiny_gemma4_e2b
 from tests.helpers.tiny_llama4 import llama4_batch, tiny_llama4
 from tests.helpers.tiny_mistral3 import mistral3_batch, mistral3_ragged_batch, tiny_mistral3
 from tests.helpers.tiny_qwen3_5 import FULL_ATTENTION_LAYERS, tiny_qwen3_5
@@ -153,6 +154,8 @@ MODELS = {
     "mistral3, every layer sliding": (lambda: tiny_mistral3(sliding_window=12), mistral3_batch),
     "llama4": (tiny_llama4, llama4_batch),
     "llama4, chunks past the pruned prompt": (lambda: tiny_llama4(chunk=24), llama4_batch),
+    "gemma4": (tiny_gemma4, gemma4_batch),
+    "gemma4 e2b, shared keys": (tiny_gemma4_e2b, gemma4_batch),
 }
 
 
@@ -187,6 +190,7 @@ def test_decoding_across_the_window_edge_matches_the_reference(name, cache):
 RAGGED = {
     "gemma3, one image and two": (tiny_gemma3, gemma3_ragged_batch),
     "mistral3, every layer sliding": (lambda: tiny_mistral3(sliding_window=12), mistral3_ragged_batch),
+    "gemma4 e2b, one image and two": (tiny_gemma4_e2b, gemma4_ragged_batch),
 }
 
 

@@ -25,6 +25,14 @@ from tests.helpers.tiny import (
     tiny_qwen2_vl,
 )
 from tests.helpers.tiny_gemma3 import gemma3_batch, gemma3_multi_image_batch, gemma3_ragged_batch, tiny_gemma3
+from tests.helpers.tiny_gemma4 import (
+    gemma4_batch,
+    gemma4_multi_image_batch,
+    gemma4_ragged_batch,
+    tiny_gemma4,
+    tiny_gemma4_e2b,
+    tiny_gemma4_moe,
+)
 from tests.helpers.tiny_glm4v import (
     glm4v_batch,
     glm4v_multi_image_batch,
@@ -110,6 +118,9 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "llava-onevision-1.5": (tiny_llava_onevision1_5, llava_onevision1_5_batch),
     "glm46v": (tiny_glm46v, glm4v_batch),
     "glm46v-moe": (tiny_glm46v_moe, glm4v_batch),
+    "gemma4": (tiny_gemma4, gemma4_batch),
+    "gemma4-e2b": (tiny_gemma4_e2b, gemma4_batch),
+    "gemma4-moe": (tiny_gemma4_moe, gemma4_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -162,6 +173,9 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
         "two images": glm4v_multi_image_batch,
     },
     "glm46v-moe": {"video": glm4v_video_batch},
+    "gemma4": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
+    "gemma4-e2b": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
+    "gemma4-moe": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

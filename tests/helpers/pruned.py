@@ -136,6 +136,7 @@ def row_alone(batch: Batch, row: int) -> dict:
         first = sum(patches[:row])
         out["pixel_values"] = batch.pixel_values[first : first + patches[row]]
         out["image_grid_thw"] = batch.image_grid_thw[row : row + 1]
+    if batch.mm_token_type_ids is not None:  # one per token (Qwen-VL, Gemma 4): the row's real tokens
         out["mm_token_type_ids"] = batch.mm_token_type_ids[row, real][None]
     if "token_type_ids" in kwargs:  # one per token (Gemma 3): the row's real tokens
         out["token_type_ids"] = kwargs["token_type_ids"][row, real][None]

@@ -20,6 +20,9 @@ model's layer would see:
 reruns the whole conversation without a cache (``generate(use_cache=False)``) gathers the prompt's kept
 tokens and every later one.
 
+A layer that reads an earlier layer's keys and values (Gemma 4's KV sharing) hides the columns that
+layer's mask hides, and sees its queries at that layer's last positions.
+
 So each layer is the stock layer applied to the pruned sequence, which is what physical pruning claims
 to compute. The masks of attention layers are read where transformers leaves them (the layer call's
 ``attention_mask``), the layer kinds from ``config.layer_types``; the cache is taken by either name
@@ -65,8 +68,11 @@ class _Reference:
         self.valid = padding.bool().cpu()  # [B, S]
         self.prompt = first.shape[1]
         self.prefill = False
-        self.kinds = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
+        text = model.config.get_text_config()
+        self.kinds = list(getattr(text, "layer_types", None) or [])
         self.gathered: dict[int, torch.Tensor] = {}
+        self.sources = _kv_sources(text, self.kinds)
+        self.places: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kind(self, index: int) -> str:
         return self.kinds[index] if self.kinds else "full_attention"
@@ -77,9 +83,15 @@ class _Reference:
         empty = cache is None or int(cache.get_seq_length()) == 0
         self.prefill = empty and hidden is not None and hidden.shape[1] >= self.prompt
 
-    def attention_mask(self, index: int, kwargs: dict, hidden: torch.Tensor) -> Any:
-        """The layer's own mask, with the pruned key columns hidden as the module docstring says."""
+    def _places(self, index: int, kwargs: dict, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt positions of the layer call's queries [q] and keys [kv]. A layer that reads another
+        layer's keys (KV sharing) has that layer's keys, and its queries are the last of that layer's
+        (Gemma 4 runs its shared layers on the last ``logits_to_keep`` tokens alone)."""
         q_len = hidden.shape[1]
+        source = self.sources.get(index)
+        if source is not None:
+            queries, keys = self.places[source]
+            return queries[queries.shape[0] - q_len :], keys
         cache = _cache(kwargs)
         if cache is None:
             past, kv_len, kv_offset = 0, q_len, 0
@@ -89,6 +101,13 @@ class _Reference:
         device = hidden.device
         q_pos = torch.arange(past, past + q_len, device=device)  # [q]
         k_pos = torch.arange(kv_offset, kv_offset + kv_len, device=device)  # [kv]
+        self.places[index] = q_pos, k_pos
+        return q_pos, k_pos
+
+    def attention_mask(self, index: int, kwargs: dict, hidden: torch.Tensor) -> Any:
+        """The layer's own mask, with the pruned key columns hidden as the module docstring says."""
+        q_pos, k_pos = self._places(index, kwargs, hidden)
+        kv_len, device = k_pos.shape[0], hidden.device
         in_prompt = k_pos < self.prompt
         column = k_pos.clamp(max=self.prompt - 1)
         last_seen = self.last_seen.to(device)[:, column]  # [B, kv]
@@ -147,6 +166,16 @@ class _Reference:
         rows, slots = (columns >= 0).nonzero(as_tuple=True)
         out[rows, columns[rows, slots]] = output[rows, slots]
         return out
+
+
+def _kv_sources(text_config: Any, kinds: list[str]) -> dict[int, int]:
+    """Layer -> the layer whose keys and values it reads, for the last ``num_kv_shared_layers`` layers
+    (Gemma 4): the last earlier layer of its type."""
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    first = len(kinds) - shared
+    return {
+        index: max(i for i in range(first) if kinds[i] == kinds[index]) for index in range(first, len(kinds))
+    }
 
 
 @contextmanager

@@ -6,6 +6,7 @@ from torch import nn
 
 from priortr.adapters.base import FamilyAdapter
 from priortr.adapters.gemma3 import Gemma3Adapter
+from priortr.adapters.gemma4 import Gemma4Adapter
 from priortr.adapters.glm4v import Glm4vAdapter
 from priortr.adapters.glm46v import Glm46VAdapter
 from priortr.adapters.idefics3 import Idefics3Adapter
@@ -79,6 +80,7 @@ register_adapter(Gemma3Adapter())
 register_adapter(Llama4Adapter())
 register_adapter(LlavaOnevision15Adapter())
 register_adapter(Glm46VAdapter())
+register_adapter(Gemma4Adapter())
 
 __all__ = [
     "FamilyAdapter",

@@ -103,6 +103,8 @@ class FamilyAdapter:
         ``rotate``, ``gather_rope``, ``inverse_rope``: RoPE that is not rotate-half (cos, sin) pairs.
         ``scales_queries``, ``query_scales``: queries scaled by their place in the sequence (Llama 4).
         ``attention_layers``: the decoder layers with softmax attention, when not every layer has it.
+        ``scored_layers``, ``kv_shared_layers``: layers that attend over keys an earlier layer made
+        (Gemma 4's KV sharing), which no method can score.
         ``injected_layers``: the leading layers that take visual features on their output (DeepStack).
         ``vision_probe``: the vision tower's [CLS] attention, for methods that rank by it.
         ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it.
@@ -197,6 +199,16 @@ class FamilyAdapter:
         projections can be recomputed into attention rows); all of them unless a family mixes in other
         layers (Qwen3.5's linear attention), whose layers no method can score."""
         return list(range(len(self.decoder_layers(model))))
+
+    def scored_layers(self, model: nn.Module) -> list[int]:
+        """The attention layers a method can score: their own q/k projections make their attention rows
+        (all of ``attention_layers`` unless some reuse an earlier layer's keys, ``kv_shared_layers``)."""
+        return self.attention_layers(model)
+
+    def kv_shared_layers(self, model: nn.Module) -> dict[int, str]:
+        """The layers that attend over keys and values an earlier layer of the same forward stored (KV
+        sharing), each with the key of the call's shared states it reads; none by default."""
+        return {}
 
     def gather_rope(self, rope: tuple[torch.Tensor, ...], index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The position embeddings a decoder layer receives (``(cos, sin)``, each [B or 1, S, r]) at the

@@ -12,7 +12,9 @@ window caches of sliding and chunked layers, which keep the tail of what their l
 left as they are, but for the count of tokens they saw, which transformers 5.25 keeps on them
 (``cumulative_length_linear``) and reads as the cache's length where layer 0 is one (Qwen3.5): it
 becomes the kept prompt's length, as the key-value layers'. A cache with any other layer type in the
-pruned layers is refused (``check_prunable``).
+pruned layers is refused (``check_prunable``). Layers that read another layer's keys (KV sharing) hold
+nothing in the cache (``EMPTY_LAYERS``); what they read, the keys and values the model passes from layer
+to layer within one forward, is cut as the cache is (``cut_shared``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
@@ -222,6 +225,11 @@ that of a later layer only the kept ones, since its layer ran on them."""
 STATE_TOKEN_COUNT = "cumulative_length_linear"
 """A state layer's device count of the tokens it saw (transformers 5.25 on; absent before), which
 ``Cache.get_seq_length()`` returns when layer 0 is a state layer."""
+EMPTY_LAYERS = tuple(kind for kind in (getattr(cache_utils, "DummyLayer", None),) if kind is not None)
+"""Cache layers that hold nothing (transformers 5.25's ``DummyLayer``: the slot of a layer that reads
+another layer's keys and values, Gemma 4's KV sharing); left as they are. Earlier releases make no
+layer for those (``()``)."""
+_NO_TOKENS = STATE_LAYERS + EMPTY_LAYERS
 _PLAIN = {operations.guarded: plain for plain, operations in LAYER_OPERATIONS.items()}
 _BASE = {**_PLAIN, ShrunkStaticLayer: StaticLayer}
 """The layer type whose ``LAYER_OPERATIONS`` apply to a guarded or shortened layer."""
@@ -238,7 +246,7 @@ def layers(cache: Any) -> list:
 
 def key_value_layers(cache: Any, count: int | None = None) -> list:
     """The layers among the first ``count`` (all by default) that hold per-token keys and values."""
-    return [layer for layer in layers(cache)[:count] if not isinstance(layer, STATE_LAYERS)]
+    return [layer for layer in layers(cache)[:count] if not isinstance(layer, _NO_TOKENS)]
 
 
 def first_layer(cache: Any) -> Any:
@@ -279,7 +287,7 @@ def check_prunable(cache: Any, layer: int, local: Sequence[bool] | None = None) 
     they are."""
     for index, cache_layer in enumerate(layers(cache)[: layer + 1]):
         operations = _operations(cache_layer)
-        if operations is None and not isinstance(cache_layer, STATE_LAYERS):
+        if operations is None and not isinstance(cache_layer, _NO_TOKENS):
             kinds = ", ".join(kind.__name__ for kind in LAYER_OPERATIONS)
             raise ValueError(
                 f"cache layer {index} is a {type(cache_layer).__name__}; priortr can prune only {kinds} "
@@ -302,6 +310,18 @@ def compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> N
         _compact_eagerly(cache, index, seq_len, layers_run)
     else:
         _compact(cache, index, seq_len, layers_run)
+
+
+def cut_shared(states: Any, index: torch.Tensor, seq_len: int) -> None:
+    """Keep columns ``index`` [B, S'] of the ``seq_len`` current columns in every key-value pair that a
+    layer stored for later layers of the same forward (Gemma 4's ``shared_kv_states``: what its cache
+    update returned, the sequence's columns first, then the unfilled slots of a static cache, which
+    follow as they are, as they do in the compacted cache). In place: the later layers read ``states``."""
+    for kind, pair in list(states.items()):
+        states[kind] = tuple(
+            torch.cat([gather_sequence(part[:, :, :seq_len], index, dim=2), part[:, :, seq_len:]], dim=2)
+            for part in pair
+        )
 
 
 def _compact(cache: Any, index: torch.Tensor, seq_len: int, layers_run: int) -> None:

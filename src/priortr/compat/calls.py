@@ -25,6 +25,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from priortr.compat.release import check_release, refuse
+from priortr.tensors.gathers import gather_sequence
 
 CACHE_NAMES = ("cache", "past_key_values")
 """Names a forward has taken its KV cache by, newest first. A release that renames it again needs one
@@ -41,6 +42,19 @@ TOKEN_ALIGNED = ("position_ids", "mm_token_type_ids", "token_type_ids")
 
 LAYER_INPUTS = ("hidden_states", "attention_mask", "position_embeddings")
 """What every supported decoder layer takes besides its cache; ``position_ids`` is optional."""
+
+LAYER_TOKEN_INPUTS = ("per_layer_input",)
+"""Decoder-layer arguments with one entry per token of the sequence the layer runs on (dimension 1), cut
+with the hidden states: Gemma 4's per-layer inputs (E2B/E4B), one slice per layer of a tensor its text
+model makes before layer 0."""
+
+SHARED_STATES = "shared_kv_states"
+"""The decoder-layer argument through which layers pass keys and values to later layers of the same
+forward (Gemma 4's KV sharing): by layer type, what the storing layer's cache update returned."""
+
+ROWS_TO_KEEP = "logits_to_keep"
+"""A text model that takes it runs its last layers on the last ``logits_to_keep`` tokens alone (Gemma 4's
+KV-shared layers, which write no cache: ``Gemma4TextModel._maybe_slice_kv_shared_inputs``)."""
 
 
 def _parameters(forward: Any) -> tuple[str, ...]:
@@ -60,6 +74,7 @@ class ModelContract:
 
     parameters: tuple[str, ...]
     cache: str
+    slices_rows: bool = False
 
     def call(self, args: tuple, kwargs: dict) -> ModelCall:
         """The arguments of one call as a ``ModelCall``; a cache passed by a deprecated alias is moved to
@@ -71,15 +86,16 @@ class ModelContract:
                 value = arguments.pop(alias)
                 if arguments.get(self.cache) is None:
                     arguments[self.cache] = value
-        return ModelCall(arguments, self.cache)
+        return ModelCall(arguments, self.cache, self.slices_rows)
 
 
 class ModelCall:
     """One call of the multimodal model, by what the engine reads and rewrites in it."""
 
-    def __init__(self, arguments: dict, cache_name: str) -> None:
+    def __init__(self, arguments: dict, cache_name: str, slices_rows: bool = False) -> None:
         self.arguments = arguments
         self._cache = cache_name
+        self._slices_rows = slices_rows
 
     @property
     def cache(self) -> Any:
@@ -132,6 +148,14 @@ class ModelCall:
             if isinstance(self.arguments.get(name), torch.Tensor):
                 self.arguments[name] = self.arguments[name][..., count:]
 
+    def run_every_row(self) -> None:
+        """Make every decoder layer run on every token of a pruned prefill: a text model that would run
+        its last layers on the last ``logits_to_keep`` tokens alone (``ROWS_TO_KEEP``) is passed 0, so
+        that those layers, too, get the kept tokens the engine's hooks cut their inputs to. The model
+        then returns the hidden states of every kept token (generate() reads the last one)."""
+        if self._slices_rows and self.arguments.get(ROWS_TO_KEEP):
+            self.arguments[ROWS_TO_KEEP] = 0
+
     def hook_result(self) -> tuple[tuple, dict]:
         """What a forward pre-hook returns to run the model on these arguments."""
         return (), self.arguments
@@ -148,25 +172,34 @@ class ModelCall:
                 rest[name] = value if name == "attention_mask" else value[..., end:]
         first[self._cache] = rest[self._cache] = cache
         first["use_cache"] = rest["use_cache"] = True
-        return ModelCall(first, self._cache), ModelCall(rest, self._cache)
+        return ModelCall(first, self._cache, self._slices_rows), ModelCall(
+            rest, self._cache, self._slices_rows
+        )
 
 
 @dataclass(frozen=True)
 class LayerContract:
-    """A decoder layer's forward: the name it takes the cache by (the other inputs are ``LAYER_INPUTS``)."""
+    """A decoder layer's forward: the name it takes the cache by (the other inputs are ``LAYER_INPUTS``),
+    and where it takes arguments of one entry per token (``LAYER_TOKEN_INPUTS``): name -> position among
+    the positional arguments."""
 
     cache: str
+    token_inputs: tuple[tuple[str, int], ...] = ()
 
     def call(self, args: tuple, kwargs: dict) -> LayerCall:
-        return LayerCall(args, kwargs, self.cache)
+        return LayerCall(args, kwargs, self.cache, self.token_inputs)
 
 
 class LayerCall:
-    """One call of a decoder layer: hidden states (first argument), RoPE, mask, cache, position ids."""
+    """One call of a decoder layer: hidden states (first argument), RoPE, mask, cache, position ids, the
+    per-token inputs and the shared keys and values of the families that have them."""
 
-    def __init__(self, args: tuple, kwargs: dict, cache_name: str) -> None:
+    def __init__(
+        self, args: tuple, kwargs: dict, cache_name: str, token_inputs: tuple[tuple[str, int], ...] = ()
+    ) -> None:
         self.args, self.kwargs = args, kwargs
         self._cache = cache_name
+        self._token_inputs = token_inputs
         if "position_embeddings" not in kwargs or cache_name not in kwargs:
             missing = [name for name in ("position_embeddings", cache_name) if name not in kwargs]
             refuse(
@@ -202,6 +235,30 @@ class LayerCall:
 
     def set_mask(self, mask: Any) -> None:
         self.kwargs["attention_mask"] = mask
+
+    def gather_token_inputs(self, index: torch.Tensor) -> None:
+        """Keep positions ``index`` [B, S'] of each per-token input (``LAYER_TOKEN_INPUTS``) of the call,
+        which came for the whole prompt; None stays None."""
+        for name, position in self._token_inputs:
+            if position < len(self.args):
+                value = self.args[position]
+                if isinstance(value, torch.Tensor):
+                    self.args = (
+                        *self.args[:position],
+                        gather_sequence(value, index),
+                        *self.args[position + 1 :],
+                    )
+            elif isinstance(self.kwargs.get(name), torch.Tensor):
+                self.kwargs[name] = gather_sequence(self.kwargs[name], index)
+
+    @property
+    def shared_states(self) -> Any:
+        """The keys and values layers of this forward pass to later ones (``SHARED_STATES``), or None."""
+        return self.kwargs.get(SHARED_STATES)
+
+    def shared_key_length(self, kind: str) -> int:
+        """How many keys a layer that reads the shared entry ``kind`` attends over (host: a shape)."""
+        return self.shared_states[kind][0].shape[2]
 
     def clear_positions(self) -> None:
         """Pass no position ids: RoPE arrives as gathered (cos, sin), and gapped ids would read as packed
@@ -255,15 +312,23 @@ def cache_field(output: ModelOutput) -> str | None:
     return next((name for name in CACHE_NAMES if name in names), None)
 
 
-def resolve(multimodal: nn.Module, layers: nn.ModuleList) -> tuple[ModelContract, LayerContract]:
+def resolve(
+    multimodal: nn.Module, layers: nn.ModuleList, language_model: nn.Module | None = None
+) -> tuple[ModelContract, LayerContract]:
     """The call contracts of ``multimodal`` (the module whose forward takes the prompt and the cache) and
-    of its decoder ``layers``; refuses a release or a model whose signatures match none."""
+    of its decoder ``layers``, and whether ``language_model`` (the module that runs them) runs its last
+    layers on fewer tokens (``ROWS_TO_KEEP``); refuses a release or a model whose signatures match none."""
     check_release()
     model_parameters = _parameters(multimodal.forward)
-    model = ModelContract(model_parameters, _cache_name(model_parameters, type(multimodal).__name__))
+    slices = language_model is not None and ROWS_TO_KEEP in _parameters(language_model.forward)
+    model = ModelContract(model_parameters, _cache_name(model_parameters, type(multimodal).__name__), slices)
     names = set()
+    token_inputs = set()
     for layer_type in {type(layer) for layer in layers}:
         parameters = _parameters(layer_type.forward)
+        token_inputs |= {
+            (name, parameters.index(name) - 1) for name in LAYER_TOKEN_INPUTS if name in parameters
+        }
         what = f"decoder layer {layer_type.__name__}"
         missing = [name for name in LAYER_INPUTS if name not in parameters]
         if missing:
@@ -273,4 +338,4 @@ def resolve(multimodal: nn.Module, layers: nn.ModuleList) -> tuple[ModelContract
         names.add(_cache_name(parameters, what))
     if len(names) != 1:
         refuse(f"the decoder layers take their cache by different names ({', '.join(sorted(names))})")
-    return model, LayerContract(names.pop())
+    return model, LayerContract(names.pop(), tuple(sorted(token_inputs)))

@@ -127,7 +127,7 @@ class PruningConfig:
         if "grid" in self.method.needs:
             check_grids(self, adapter)
         check_injection(self, adapter.injected_layers(model), n_layers)
-        _check_scored_layers(self, adapter.attention_layers(model), n_layers)
+        _check_scored_layers(self, adapter.scored_layers(model), n_layers)
 
     def schedule(
         self, n_visual: int, n_layers: int, part: tuple[int, int] | None = None
@@ -306,9 +306,10 @@ def check_injection(config: PruningConfig, injected: int, n_layers: int) -> None
 
 
 def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: int) -> None:
-    """Refuse stages whose evidence needs attention rows at a layer without softmax attention (Qwen3.5's
-    linear-attention layers have a recurrent state, no attention matrix): the scored layer itself
-    (``attention``, ``keys``) or the one after it (``next_attention``)."""
+    """Refuse stages whose evidence needs attention rows at a layer that cannot be scored (Qwen3.5's
+    linear-attention layers have a recurrent state, no attention matrix; Gemma 4's KV-shared layers no
+    key projection): the scored layer itself (``attention``, ``keys``) or the one after it
+    (``next_attention``)."""
     offset = 1 if "next_attention" in config.method.needs else 0
     if not config.method.needs & {"attention", "keys", "next_attention"} or len(attention) == n_layers:
         return
@@ -320,7 +321,7 @@ def _check_scored_layers(config: PruningConfig, attention: list[int], n_layers: 
         which = "the layer after the scored one" if offset else "the scored layer"
         raise ValueError(
             f"{config.method.name} reads attention at {which}, and decoder layer {layer + offset} of this "
-            f"model has no softmax attention (only layers {attention} do); "
+            f"model has no softmax attention over keys of its own (only layers {attention} do); "
             + (
                 f"score layer {nearest} instead"
                 if nearest is not None

@@ -66,7 +66,10 @@ class PruningEngine:
         self.attention_layers = frozenset(adapter.attention_layers(model))
         self.windows = compat.layers.windows(model.config.get_text_config())
         self.vision = adapter.vision_probe(model) if config.method.needs & VISION_NEEDS else None
-        self.calls, self.layer_calls = compat.calls.resolve(self.multimodal, self.layers)
+        self.kv_shared = adapter.kv_shared_layers(model)
+        self.calls, self.layer_calls = compat.calls.resolve(
+            self.multimodal, self.layers, adapter.language_model(model)
+        )
         self.scaled_queries = {  # layer index -> attention that scales its queries by their places
             index: adapter.attention(self.layers[index])
             for index in sorted(self.attention_layers)
@@ -276,6 +279,7 @@ class PruningEngine:
             prefill.finish()
             return whole.hook_result()
         self._in_flight[thread] = self._arm(prefill, thread, continuation)
+        call.run_every_row()
         return call.hook_result()
 
     def _split_prompt(
@@ -307,6 +311,7 @@ class PruningEngine:
             self.attention_layers,
             self.windows,
             self._stage_observers,
+            self.kv_shared,
         )
 
     def _arm(self, prefill: Prefill, thread: int, continuation: Continuation | None) -> list[RemovableHandle]:

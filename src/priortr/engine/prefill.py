@@ -22,6 +22,7 @@ from priortr.engine.evidence import ScoredLayer, Sources
 from priortr.engine.ledger import CacheLedger, ledger_for
 from priortr.engine.plan import PrefillPlan
 from priortr.engine.result import LayerCache, PrefillRecord
+from priortr.engine.sequence import SequenceMap
 from priortr.engine.stage import run_stage
 from priortr.engine.state import StageState
 
@@ -47,6 +48,7 @@ class Prefill:
         attention_layers: frozenset[int] | None = None,
         windows: list[compat.layers.Window | None] | None = None,
         observers: Sequence[StageObserver] = (),
+        kv_shared: dict[int, str] | None = None,
     ) -> None:
         self.plan = plan
         self.config = config
@@ -57,6 +59,7 @@ class Prefill:
         self.windows = windows
         self.final_norm = final_norm
         self.observers = tuple(observers)
+        self.kv_shared = kv_shared or {}  # layer -> the shared keys it reads (KV sharing)
         self.state = StageState.of_prompt(plan)
         self.pending = list(plan.stages)
         self.scored: ScoredLayer | None = None  # what the next stage's scored layer handed over
@@ -85,13 +88,24 @@ class Prefill:
         stage = self.next_stage if self.next_stage is not None and self.next_stage + 1 == index else None
         if stage is not None:
             self._observe("start", stage)
+            before = self.state.sequence
             call.set_hidden(self.run_next_stage(call.hidden, layer, call.rope))
+            self._cut_shared(call, before)
         if self.state.sequence.positions is not None:
             self._gather_layer_inputs(call, index)
         if stage is not None:
             self._observe("end", stage)
         if self.next_stage == index:
             self._capture(index, layer, call)
+
+    def _cut_shared(self, call: compat.calls.LayerCall, before: SequenceMap) -> None:
+        """Cut the keys and values that layers up to the stage's stored for later ones (KV sharing) as the
+        stage cut the sequence ``before`` it: they hold its columns, as the caches of those layers did."""
+        after = self.state.sequence
+        if after is before or not call.shared_states:
+            return
+        index = before.columns_of_rows(after.positions)  # [B, S''] columns of ``before`` kept
+        compat.cache.cut_shared(call.shared_states, index, before.width)
 
     def _observe(self, event: str, stage: int) -> None:
         for observe in self.observers:
@@ -187,9 +201,12 @@ class Prefill:
         return None if self.windows is None else self.windows[layer]
 
     def _kind(self, layer: int) -> str:
-        """``keys`` (per token), ``window`` (a local window's tail) or ``state`` (fixed size)."""
+        """``keys`` (per token), ``window`` (a local window's tail), ``state`` (fixed size) or ``shared``
+        (none: it reads an earlier layer's keys)."""
         if self.attention_layers is not None and layer not in self.attention_layers:
             return "state"
+        if layer in self.kv_shared:
+            return "shared"
         return "keys" if self._window(layer) is None else "window"
 
     def _gather_layer_inputs(self, call: compat.calls.LayerCall, index: int) -> None:
@@ -203,7 +220,10 @@ class Prefill:
         rope, mask = call.rope, call.mask
         attention = self.attention_layers is None or index in self.attention_layers
         positions, filler = self.state.sequence.positions, self.state.sequence.filler
-        keys = compat.cache.key_length(call.cache, index, positions.shape[1]) if attention else 0
+        if index in self.kv_shared:  # it attends over the keys an earlier layer stored: as many as those
+            keys = call.shared_key_length(self.kv_shared[index])
+        else:
+            keys = compat.cache.key_length(call.cache, index, positions.shape[1]) if attention else 0
         key = (self._window(index), attention, keys)
         cached = self._layer_inputs.get(key)
         if cached is None:
@@ -217,20 +237,37 @@ class Prefill:
             _check_shared_inputs(cached[0], cached[1], rope, mask, index)
         call.set_rope(cached[2])
         call.set_mask(cached[3])
+        call.gather_token_inputs(positions)
         call.clear_positions()
 
 
 def _check_shared_inputs(rope: Any, mask: Any, layer_rope: Any, layer_mask: Any, index: int) -> None:
     """Refuse a model whose layers of one kind receive different RoPE or masks: the per-kind cache of
     ``Prefill._gather_layer_inputs`` would hand layer ``index`` another layer's. RoPE is a tuple of
-    tensors (``(cos, sin)``) or one tensor (Llama 4's ``freqs_cis``); the tuple itself may be rebuilt."""
+    tensors (``(cos, sin)``) or one tensor (Llama 4's ``freqs_cis``); the tuple itself may be rebuilt, and
+    a tensor may come as a view of all of it (Gemma 4 slices its KV-shared layers' inputs to the rows it
+    keeps, all of them in a pruned prefill)."""
     if isinstance(rope, tuple) and isinstance(layer_rope, tuple):
         parts = zip(rope, layer_rope, strict=False)
-        same_rope = len(rope) == len(layer_rope) and all(a is b for a, b in parts)
+        same_rope = len(rope) == len(layer_rope) and all(_same(a, b) for a, b in parts)
     else:
-        same_rope = rope is layer_rope
-    if not (same_rope and mask is layer_mask):
+        same_rope = _same(rope, layer_rope)
+    if not (same_rope and _same(mask, layer_mask)):
         raise NotImplementedError(
             f"decoder layer {index} received a RoPE or mask other than the earlier layers of its kind "
             "(window, attention, key length); priortr gathers them once per kind. Report the model."
         )
+
+
+def _same(tensor: Any, other: Any) -> bool:
+    """Whether ``other`` is ``tensor`` or a view of all of it (host metadata only)."""
+    if tensor is other:
+        return True
+    if not (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)):
+        return False
+    return (
+        tensor.data_ptr() == other.data_ptr()
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+        and tensor.dtype == other.dtype
+    )

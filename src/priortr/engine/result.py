@@ -41,8 +41,9 @@ class StageResult:
 class LayerCache:
     """What one decoder layer's cache holds of the prompt after the prefill, per batch row, as a dynamic
     cache holds it: ``kind`` ``keys`` (full attention: one entry per token), ``window`` (sliding or
-    chunked attention: the window's last ``size - 1`` tokens) or ``state`` (linear attention: a fixed-size
-    state, no entries, left as it is); ``unpruned`` entries without pruning and ``pruned`` with it."""
+    chunked attention: the window's last ``size - 1`` tokens), ``state`` (linear attention: a fixed-size
+    state, no entries, left as it is) or ``shared`` (KV sharing: no entries, the layer reads an earlier
+    layer's); ``unpruned`` entries without pruning and ``pruned`` with it."""
 
     kind: str
     unpruned: int
@@ -50,7 +51,7 @@ class LayerCache:
 
     @classmethod
     def of(cls, kind: str, window: Any, prompt: int, kept: int) -> LayerCache:
-        if kind == "state":
+        if kind in ("state", "shared"):
             return cls(kind, 0, 0)
         if kind == "window":
             return cls(kind, min(prompt, window.size - 1), min(kept, window.size - 1))

@@ -12,6 +12,7 @@ import torch
 from priortr.adapters import (
     FamilyAdapter,
     Gemma3Adapter,
+    Gemma4Adapter,
     Glm4vAdapter,
     Idefics3Adapter,
     InternVLAdapter,
@@ -330,6 +331,35 @@ def _gemma3_inputs(
     }
 
 
+GEMMA4_GRID = (14, 20)
+"""The pooled token grid of the benchmark's Gemma 4 image: 280 tokens, ``Gemma4Processor``'s default
+``max_soft_tokens`` (the caller picks 70-1120)."""
+
+
+def _gemma4_inputs(
+    adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
+) -> dict:
+    """One image per row, ``GEMMA4_GRID`` tokens between ``<|image>`` and ``<image|>``, each pooled from
+    ``pooling_kernel_size`` x ``pooling_kernel_size`` patches, passed as the processor passes them
+    (flattened patches and their (x, y)), with its ``mm_token_type_ids``."""
+    vision = config.vision_config
+    rows, columns = (side * vision.pooling_kernel_size for side in GEMMA4_GRID)
+    n_visual = GEMMA4_GRID[0] * GEMMA4_GRID[1]
+    image_id = config.image_token_id
+    limit = min(image_id, config.video_token_id, config.boi_token_id, config.eoi_token_id)
+    ids = prompt_layout(image_id, n_visual, text_tokens, limit, batch, generator)
+    ids = _bracketed(ids, n_visual, config.boi_token_id, config.eoi_token_id)
+    patch = torch.arange(rows * columns)
+    positions = torch.stack([patch % columns, patch // columns], dim=1)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.rand(batch, rows * columns, 3 * vision.patch_size**2, generator=generator),
+        "image_position_ids": positions.expand(batch, -1, -1).clone(),
+        "mm_token_type_ids": (ids == image_id).long(),
+    }
+
+
 def _llama4_inputs(
     adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
 ) -> dict:
@@ -361,4 +391,5 @@ INPUTS = {
     Idefics3Adapter: _idefics3_inputs,
     Gemma3Adapter: _gemma3_inputs,
     Llama4Adapter: _llama4_inputs,
+    Gemma4Adapter: _gemma4_inputs,
 }

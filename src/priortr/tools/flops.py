@@ -168,9 +168,22 @@ class ModelShape:
         return image_tokens * self.vision.merge * self.vision.merge
 
 
+UNMODELLED_TEXT = {
+    "gemma4_text": "its global layers have their own head size and KV heads, and its on-device shapes add "
+    "per-layer inputs and layers that share another layer's keys",
+}
+"""Decoder types whose layers this one-shape-per-model count does not describe, and why."""
+
+
 def text_shape(config: PretrainedConfig) -> TextShape:
-    """The language model's shape (``config.get_text_config()``)."""
+    """The language model's shape (``config.get_text_config()``); refuses a decoder whose layers it does
+    not describe (``UNMODELLED_TEXT``)."""
     text = config.get_text_config(decoder=True)
+    if text.model_type in UNMODELLED_TEXT:
+        raise ValueError(
+            f"priortr's FLOPs and KV-cache count does not model {text.model_type}: "
+            f"{UNMODELLED_TEXT[text.model_type]}. Pruning it is supported; measure its costs on the device"
+        )
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kinds, windows = compat.layers.types(text), compat.layers.windows(text)
