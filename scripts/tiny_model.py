@@ -5,8 +5,8 @@
 Sizes only: 4 decoder layers (the scored layer, 2, keeps a layer after it), 1 vision layer, and a
 language model 4 times narrower (hidden 1024, 8 heads of the model's head size 128, MLP 2752). The
 family, the image size and so the 576 visual tokens per image, the vocabulary and every step of the
-script are the full model's; a float32 prefill costs about 1/16 of the 4-layer full-width one, so the
-CPU run fits CI.
+script are the full model's; the language model's float32 prefill costs about 1/16 of the 4-layer
+full-width one, so the CPU run fits CI.
 """
 
 from __future__ import annotations
