@@ -5,7 +5,11 @@ reports them (``torch.cuda.set_sync_debug_mode``) beside what the CPU counter pr
 (``priortr.tools.overhead``).
 
     python benchmarks/fast_path.py --device cuda --out DIR        (scripts/gpu-check.sh runs it)
-    python benchmarks/fast_path.py --device cpu --tiny --out DIR  (2 layers, batch 1: proves the script)
+    python benchmarks/fast_path.py --device cpu --model TINY --batch-sizes 1 --new-tokens 3 --out DIR
+        (gpu-check.sh --tiny: TINY is the smaller LLaVA of scripts/tiny_model.py; proves the script)
+
+The tiny run changes sizes only (the model's depth and width, batch sizes, repeats, new tokens): the
+scored layer, the method and every step are the GPU run's, so a CPU run fails where the GPU run would.
 
 Each row is written to ``DIR/fast.jsonl`` as it finishes (a run cut short keeps the rows it made), and
 the tables to ``DIR/fast.md``. The host-enqueue time is how long the forward call takes to return on the
@@ -30,9 +34,10 @@ from torch import nn
 
 import priortr
 from priortr.adapters import adapter_for
+from priortr.cli import checks
 from priortr.frontend import timing
 from priortr.tools import overhead
-from priortr.tools.bench import build_model
+from priortr.tools.bench import bench_config, build_model
 from priortr.tools.families import dummy_inputs
 
 
@@ -136,21 +141,32 @@ def compiled_counts(fn: Callable[[], Any]) -> dict[str, int]:
     return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
+def check(model: str, budget: int, layer: int) -> None:
+    """What ``priortr.apply`` says of PriorTR at ``budget`` and ``layer`` on ``model`` (a shipped config
+    name or a config directory), read from a weightless skeleton: a bad layer fails here, before any
+    model is built."""
+    checks.check_pruning(checks.skeleton(bench_config(model)), method="priortr", budget=budget, layer=layer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="2 decoder layers, 1 vision layer, batch 1")
+    parser.add_argument("--model", default="llava-1.5-7b", help="shipped config name or config directory")
     parser.add_argument("--out", default="fast-out")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--layer", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=16, help="of each compiled static decode")
     args = parser.parse_args()
+    if 1 not in args.batch_sizes:
+        parser.error("--batch-sizes must include 1 (the prefill and sync rows are batch 1)")
+    check(args.model, args.budget, args.layer)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tiny = {"layers": 2, "vision_layers": 1} if args.tiny else {}
     torch.manual_seed(0)
-    model = build_model("llava-1.5-7b", device, dtype, **tiny)
-    batches = {size: inputs(model, size, 48, device) for size in ([1] if args.tiny else [1, 8, 32])}
+    model = build_model(args.model, device, dtype)
+    batches = {size: inputs(model, size, 48, device) for size in sorted(set(args.batch_sizes))}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "fast.jsonl").open("w") as journal:
@@ -158,9 +174,9 @@ def main() -> None:
             model,
             batches,
             args.budget,
-            min(args.layer, 1) if args.tiny else args.layer,
+            args.layer,
             args.repeats,
-            3 if args.tiny else 16,
+            args.new_tokens,
             lambda row: print(json.dumps(row), file=journal, flush=True),
         )
     (out / "fast.md").write_text(markdown(rows))

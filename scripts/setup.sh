@@ -11,8 +11,8 @@
 #                                    with --latest, everything but transformers resolves afresh
 #   bash scripts/setup.sh --torch-floor    .venv-torch-floor: the oldest supported torch (2.11.0, the
 #                                    accelerator image's; its Linux wheel is a CUDA build, which runs on CPU)
-#   bash scripts/setup.sh --torch-newest   .venv-torch-newest: the newest torch these machines allow (2.14.1,
-#                                    with its torchvision 0.29.1)
+#   bash scripts/setup.sh --torch-newest   .venv-torch-newest: the newest torch release (2.15.0, with
+#                                    torchvision 0.29.2, released with it and the newest that admits it)
 #                                    both for the engine, families and methods suites (scripts/test.sh
 #                                    --torch-floor / --torch-newest), on transformers as the lock has it (or
 #                                    as pip resolves it, with --latest)
@@ -36,7 +36,7 @@ if [ -n "$torch_range" ]; then
   # without its torch line.
   venv=".venv-torch-$torch_range"
   torch_pins=("torch==2.11.0")
-  [ "$torch_range" = newest ] && torch_pins=("torch==2.14.1" "torchvision==0.29.1")
+  [ "$torch_range" = newest ] && torch_pins=("torch==2.15.0" "torchvision==0.29.2")
   rm -rf "$venv"
   python3 -m venv "$venv"
   pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
@@ -47,7 +47,10 @@ if [ -n "$torch_range" ]; then
     constraints=(-c "$venv/lock.txt")
   fi
   # No cache: torch 2.11's CUDA wheels are GBs that would stay in pip's cache after the venv is gone.
-  "${pip[@]}" install --no-cache-dir "${constraints[@]}" -e ".[dev]" "${torch_pins[@]}" accelerate
+  # PIP_CONSTRAINT=/dev/null: the pins are exact, so a machine-wide pip constraint file (pip.conf's
+  # `constraint`; the project's machines cap torch at 2.14.1, the newest they keep on disk) is set aside.
+  PIP_CONSTRAINT=/dev/null "${pip[@]}" install --no-cache-dir "${constraints[@]}" -e ".[dev]" \
+    "${torch_pins[@]}" accelerate
   "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   exit 0
 fi

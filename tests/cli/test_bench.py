@@ -8,6 +8,7 @@ timings in test_bench_stats.py.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -106,8 +107,9 @@ def test_reports_are_complete(report, tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 5_000
 
 
-def test_bench_command_prints_one_json_document(config_dir, tmp_path, capsys):
-    argv = [
+def bench_argv(config_dir, out) -> list[str]:
+    """A one-case ``priortr bench`` (vanilla and PriorTR at K = 64, batch 1) on 4 layers."""
+    return [
         "bench",
         "--model",
         str(config_dir),
@@ -130,10 +132,27 @@ def test_bench_command_prints_one_json_document(config_dir, tmp_path, capsys):
         "1",
         "--json",
         "--out",
-        str(tmp_path),
+        str(out),
     ]
+
+
+def test_bench_command_prints_one_json_document(config_dir, tmp_path, capsys):
+    argv = bench_argv(config_dir, tmp_path)
     assert main(argv) == 0
     document = json.loads(capsys.readouterr().out)
     assert [row["method"] for row in document["cases"]] == ["vanilla", "priortr"]
     assert document["meta"]["text_layers"] == 4
     assert {p.name for p in tmp_path.iterdir()} == {"bench.jsonl", "bench.json", "bench.md", "bench.png"}
+
+
+def test_bench_without_matplotlib_keeps_every_number_and_says_why_no_plot(
+    config_dir, tmp_path, capsys, monkeypatch
+):
+    """The accelerator image may lack matplotlib (scripts/gpu-check.sh runs bench there): the run ends
+    well, with bench.json and bench.md, and says why bench.png is missing."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as if not installed
+    assert main(bench_argv(config_dir, tmp_path)) == 0
+    captured = capsys.readouterr()
+    assert [row["method"] for row in json.loads(captured.out)["cases"]] == ["vanilla", "priortr"]
+    assert {p.name for p in tmp_path.iterdir()} == {"bench.jsonl", "bench.json", "bench.md"}
+    assert "bench.png not drawn: matplotlib is not installed" in captured.err

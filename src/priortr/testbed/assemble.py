@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    CLIPImageProcessor,
+    CLIPImageProcessorPil,
     LlamaForCausalLM,
     LlavaForConditionalGeneration,
     LlavaProcessor,
@@ -44,8 +44,11 @@ WEIGHTS = Path(__file__).with_name("weights") / "testbed.safetensors"
 ASSEMBLY_VERSION = 1
 
 
-def image_processor() -> CLIPImageProcessor:
-    return CLIPImageProcessor(
+def image_processor() -> CLIPImageProcessorPil:
+    """The testbed's image processor: CLIP's PIL backend, named explicitly (transformers >= 5.17 has it),
+    whether or not torchvision is installed. Asking for ``CLIPImageProcessor`` without torchvision gets
+    this same class from transformers' fallback, with a warning a user cannot act on."""
+    return CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
         image_mean=list(IMAGE_MEAN),
