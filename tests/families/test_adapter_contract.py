@@ -21,7 +21,9 @@ from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.minicpmv import MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
+from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
@@ -48,6 +50,8 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "qwen3.5-moe": Qwen3_5Adapter,
     "gemma3": Gemma3Adapter,
     "llama4": Llama4Adapter,
+    "minicpm-v-4.6": MiniCPMVAdapter,
+    "molmo2": Molmo2Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -69,6 +73,8 @@ DUMMY_TOKENS = {
     "qwen3.5-moe": 576,
     "gemma3": 16,
     "llama4": 5 * 4,  # 2 x 2 tiles and the global view, 4 x 4 patches each, pixel-shuffled by 0.5
+    "minicpm-v-4.6": 5 * 16,  # the global view and 2 x 2 slices, 16 x 16 patches each, merged 16 to 1
+    "molmo2": 4 + 16,  # 2 x 2 low-resolution tokens, 4 x 4 from 2 x 2 crops
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 

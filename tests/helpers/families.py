@@ -63,11 +63,24 @@ from tests.helpers.tiny_llava_family import (
     video_llava_multi_image_batch,
     video_llava_video_batch,
 )
+from tests.helpers.tiny_minicpmv import (
+    minicpmv_4x_batch,
+    minicpmv_batch,
+    minicpmv_multi_image_batch,
+    minicpmv_ragged_batch,
+    tiny_minicpmv4_6,
+)
 from tests.helpers.tiny_mistral3 import (
     mistral3_batch,
     mistral3_multi_image_batch,
     mistral3_ragged_batch,
     tiny_mistral3,
+)
+from tests.helpers.tiny_molmo2 import (
+    molmo2_batch,
+    molmo2_multi_image_batch,
+    molmo2_ragged_batch,
+    tiny_molmo2,
 )
 from tests.helpers.tiny_qwen3_5 import tiny_qwen3_5, tiny_qwen3_5_moe
 from tests.helpers.tiny_qwen3_vl import (
@@ -99,6 +112,8 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "qwen3.5-moe": (tiny_qwen3_5_moe, qwen3_vl_batch),
     "gemma3": (tiny_gemma3, gemma3_batch),
     "llama4": (tiny_llama4, llama4_batch),
+    "minicpm-v-4.6": (tiny_minicpmv4_6, minicpmv_batch),
+    "molmo2": (tiny_molmo2, molmo2_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -140,6 +155,12 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
     },
     "gemma3": {"ragged": gemma3_ragged_batch, "two images": gemma3_multi_image_batch},
     "llama4": {"ragged": llama4_ragged_batch, "two images": llama4_multi_image_batch},
+    "minicpm-v-4.6": {
+        "ragged": minicpmv_ragged_batch,
+        "two images": minicpmv_multi_image_batch,
+        "4x": minicpmv_4x_batch,
+    },
+    "molmo2": {"ragged": molmo2_ragged_batch, "two images": molmo2_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

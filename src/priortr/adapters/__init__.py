@@ -12,7 +12,9 @@ from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
+from priortr.adapters.minicpmv import MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
+from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
@@ -75,6 +77,8 @@ register_adapter(Glm4vAdapter())
 register_adapter(Qwen3_5Adapter())
 register_adapter(Gemma3Adapter())
 register_adapter(Llama4Adapter())
+register_adapter(MiniCPMVAdapter())
+register_adapter(Molmo2Adapter())
 
 __all__ = [
     "FamilyAdapter",
