@@ -21,7 +21,7 @@ from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
-from priortr.adapters.minicpmv import MiniCPMVAdapter
+from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
@@ -51,6 +51,7 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "gemma3": Gemma3Adapter,
     "llama4": Llama4Adapter,
     "minicpm-v-4.6": MiniCPMVAdapter,
+    "minicpm-v-4.7": MiniCPMV4_7Adapter,
     "molmo2": Molmo2Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
@@ -74,6 +75,7 @@ DUMMY_TOKENS = {
     "gemma3": 16,
     "llama4": 5 * 4,  # 2 x 2 tiles and the global view, 4 x 4 patches each, pixel-shuffled by 0.5
     "minicpm-v-4.6": 5 * 16,  # the global view and 2 x 2 slices, 16 x 16 patches each, merged 16 to 1
+    "minicpm-v-4.7": 5 * 16,
     "molmo2": 4 + 16,  # 2 x 2 low-resolution tokens, 4 x 4 from 2 x 2 crops
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""

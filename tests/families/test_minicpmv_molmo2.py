@@ -1,13 +1,13 @@
-"""The MiniCPM-V 4.6 and Molmo2 adapters against the tiny models of ``tests.helpers.tiny_minicpmv`` and
-``tests.helpers.tiny_molmo2``; what every family does (equivalence, layouts, cache, methods) runs in the
-suites over ``tests.helpers.families``.
+"""The MiniCPM-V 4.6 / 4.7 and Molmo2 adapters against the tiny models of ``tests.helpers.tiny_minicpmv``
+and ``tests.helpers.tiny_molmo2``; what every family does (equivalence, layouts, cache, methods) runs in
+the suites over ``tests.helpers.families``.
 
-Checks what only these families do: which positions make up each image (MiniCPM-V's global view and slices,
-Molmo2's two views with ``<im_col>`` after every row) and its separator; MiniCPM-V's token count set at
-call time (``downsample_mode``) and its hybrid decoder; Molmo2's bidirectional image block, its q/k norms
-over the whole projection (``qk_norm_type="olmo"``) and its image ids past the LM head's vocabulary; and a
-second turn on a pruned cache for both. Each family's class comes after some supported release; a test
-skips, naming the release, where the installed one lacks it.
+Checks what only these families do: which positions make up each image (MiniCPM-V's global view and
+slices, Molmo2's two views with ``<im_col>`` after every row) and its separator; MiniCPM-V's token count
+set at call time (``downsample_mode``), its hybrid decoder and 4.7's canvas M-RoPE ids; Molmo2's
+bidirectional image block, its q/k norms over the whole projection (``qk_norm_type="olmo"``) and its
+image ids past the LM head's vocabulary; and a second turn on a pruned cache for each. A family's class
+may be newer than a supported release; its tests skip there, naming the release.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import priortr
 from priortr.adapters import adapter_for
 from priortr.adapters.base import FamilyAdapter, VisualItem, visual_runs
-from priortr.adapters.minicpmv import MiniCPMVAdapter
+from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.molmo2 import Molmo2Adapter
 from tests.engine import test_equivalence
 from tests.helpers.oracle import staged_reference
@@ -38,6 +38,7 @@ from tests.helpers.tiny_minicpmv import (
     minicpmv_multi_image_batch,
     minicpmv_ragged_batch,
     tiny_minicpmv4_6,
+    tiny_minicpmv4_7,
 )
 from tests.helpers.tiny_molmo2 import (
     FRAME_END_ID,
@@ -139,6 +140,20 @@ def test_minicpmv_grouping_survives_image_ids_adjacent_images_and_frames(minicpm
         SLICE_END_ID
     ] * 2
     check_items([i for i in items if i.modality == "image"], ids, MINICPMV_IMAGE_ID)
+
+
+def test_minicpmv_4_7_keeps_its_canvas_positions():
+    """MiniCPM-V 4.7 places each view on its image's canvas (M-RoPE ids, ``rope_deltas``): its adapter reads
+    the text row of the ``[4, B, S]`` ids generate() passes, and its layout is 4.6's."""
+    model = tiny_minicpmv4_7()
+    adapter = adapter_for(model)
+    assert type(adapter) is MiniCPMV4_7Adapter and adapter.attention_layers(model) == [1, 3]
+    batch = minicpmv_multi_image_batch(model, 2)
+    with torch.no_grad():
+        model(**batch.kwargs())
+    assert bool((model.model.rope_deltas != 0).all()), "the canvas ids must differ from the text positions"
+    items = adapter.visual_items(model.config, batch.input_ids)
+    assert [(item.row, item.size) for item in items] == [(0, 12), (0, 4), (1, 4), (1, 12)]
 
 
 def test_minicpmv_prompts_off_the_layout_are_refused(minicpmv):
@@ -326,7 +341,7 @@ def test_molmo2_input_norm_follows_norm_after(molmo2):
 # ---- both ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["minicpm-v-4.6", "molmo2"])
+@pytest.mark.parametrize("family", ["minicpm-v-4.6", "minicpm-v-4.7", "molmo2"])
 @pytest.mark.parametrize("new_tokens_only", [False, True])
 def test_second_turn_on_pruned_cache_matches_the_reference(family, new_tokens_only):
     """Turn 1 prunes; turn 2 continues on the pruned cache (the check every multi-turn family runs)."""

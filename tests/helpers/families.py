@@ -69,6 +69,7 @@ from tests.helpers.tiny_minicpmv import (
     minicpmv_multi_image_batch,
     minicpmv_ragged_batch,
     tiny_minicpmv4_6,
+    tiny_minicpmv4_7,
 )
 from tests.helpers.tiny_mistral3 import (
     mistral3_batch,
@@ -113,6 +114,7 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "gemma3": (tiny_gemma3, gemma3_batch),
     "llama4": (tiny_llama4, llama4_batch),
     "minicpm-v-4.6": (tiny_minicpmv4_6, minicpmv_batch),
+    "minicpm-v-4.7": (tiny_minicpmv4_7, minicpmv_batch),
     "molmo2": (tiny_molmo2, molmo2_batch),
 }
 """Every supported family: (model builder, batch builder)."""
@@ -160,6 +162,7 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
         "two images": minicpmv_multi_image_batch,
         "4x": minicpmv_4x_batch,
     },
+    "minicpm-v-4.7": {"ragged": minicpmv_ragged_batch, "two images": minicpmv_multi_image_batch},
     "molmo2": {"ragged": molmo2_ragged_batch, "two images": molmo2_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""

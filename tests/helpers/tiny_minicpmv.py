@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+import transformers
 
 from tests.helpers.tiny import BOS_ID, PAD_ID, Batch, finish_model, left_pad, random_text, row_generator
 from tests.helpers.tiny_qwen3_5 import _text_config
@@ -37,13 +38,23 @@ PATCH = 2
 VIEW = (8, 8)  # patches of every view (global and slices): 4 tokens at 16x, 16 at 4x
 
 
-def tiny_minicpmv4_6(dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0):
+def tiny_minicpmv4_6(
+    dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0, version: str = "4_6"
+):
     """A 4-layer Qwen3.5 decoder (linear, full, linear, full) and a 2-layer SigLIP-style tower (patch 2,
-    the window merger after layer 0, 16 x 16 position table). Skips where transformers has no MiniCPM-V
-    4.6 (it came in 5.17, the floor, so this names the release when it does not)."""
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "MiniCPMV4_6ForConditionalGeneration"):
-        pytest.skip(f"transformers {transformers.__version__} has no MiniCPMV4_6ForConditionalGeneration")
+    the window merger after layer 0, 16 x 16 position table); ``version="4_7"`` builds MiniCPM-V 4.7 (canvas
+    M-RoPE, which needs the markers' ids). Skips, naming the release, where transformers lacks the class
+    (4.6 came in 5.17, the floor; 4.7 after it)."""
+    name = f"MiniCPMV{version}ForConditionalGeneration"
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    markers = {
+        "image_start_id": IMAGE_START_ID,
+        "image_end_id": IMAGE_END_ID,
+        "slice_start_id": SLICE_START_ID,
+        "slice_end_id": SLICE_END_ID,
+        "newline_id": NEWLINE_ID,
+    }
     vision = {
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -52,19 +63,23 @@ def tiny_minicpmv4_6(dtype: torch.dtype = torch.float64, attn: str = "sdpa", see
         "image_size": 16 * PATCH,
         "patch_size": PATCH,
     }
-    config = transformers.MiniCPMV4_6Config(
-        text_config=_text_config(),
+    config = getattr(transformers, f"MiniCPMV{version}Config")(
+        text_config={"model_type": "qwen3_5_text", **_text_config()},  # 5.17 reads the type off the dict
         vision_config=vision,
         insert_layer_id=0,
         image_token_id=MINICPMV_IMAGE_ID,
         video_token_id=MINICPMV_VIDEO_ID,
         pad_token_id=PAD_ID,
+        **(markers if version == "4_7" else {}),
     )
     torch.manual_seed(seed)
-    model = transformers.MiniCPMV4_6ForConditionalGeneration._from_config(
-        config, attn_implementation=attn, dtype=dtype
-    )
+    model = getattr(transformers, name)._from_config(config, attn_implementation=attn, dtype=dtype)
     return finish_model(model, attn)
+
+
+def tiny_minicpmv4_7(dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0):
+    """``tiny_minicpmv4_6``'s sizes as MiniCPM-V 4.7."""
+    return tiny_minicpmv4_6(dtype, attn, seed, version="4_7")
 
 
 def view_tokens(view: tuple[int, int] = VIEW, mode: str = "16x") -> int:
@@ -90,8 +105,10 @@ def _minicpmv_batch(
 ) -> Batch:
     """Rows ``[bos, text x a, image, (text x 2, image)..., text x b]`` (a = 3, 5, ..., b = 5, 7, ...);
     ``grids[r]`` lists row ``r``'s images by slice grid. ``mode`` passes ``downsample_mode``. Sets
-    ``row_inputs``: each row's patches are a slice of the batch's packed ``pixel_values``."""
+    ``row_inputs``: each row's patches are a slice of the batch's packed ``pixel_values``; for MiniCPM-V
+    4.7, ``mm_token_type_ids`` (1 on the placeholders), which its canvas M-RoPE needs."""
     n = view_tokens(mode=mode or model.config.downsample_mode)
+    typed = model.config.model_type == "minicpmv4_7"  # canvas M-RoPE reads the placeholders' types
     side = VIEW[0] * VIEW[1] * PATCH
     rows, row_inputs = [], []
     for r, images in enumerate(grids):
@@ -109,6 +126,8 @@ def _minicpmv_batch(
             "pixel_values": torch.randn((1, 3, PATCH, views * side), generator=gen).to(model.dtype),
             "target_sizes": torch.tensor([VIEW] * views, dtype=torch.int32),
         }
+        if typed:
+            inputs["mm_token_type_ids"] = (inputs["input_ids"] == MINICPMV_IMAGE_ID).long()
         row_inputs.append(inputs if mode is None else {**inputs, "downsample_mode": mode})
     ids, mask, _, _ = left_pad(rows, [(0, 0)] * len(rows))
     extra = {"target_sizes": torch.cat([inputs["target_sizes"] for inputs in row_inputs])}
@@ -122,6 +141,7 @@ def _minicpmv_batch(
         [],
         [],
         0,
+        mm_token_type_ids=(ids == MINICPMV_IMAGE_ID).long() if typed else None,
         visual_ids=(MINICPMV_IMAGE_ID,),
         extra=extra,
         row_inputs=row_inputs,

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+import transformers
 
 from tests.helpers.tiny import BOS_ID, PAD_ID, TEXT_CONFIG, Batch, left_pad, random_text, row_generator
 
@@ -52,7 +53,6 @@ def tiny_molmo2(
     """A 4-layer Molmo2 text model (Qwen3-style per-head q/k norms, or OLMo's over the whole projection
     with ``qk_norm="olmo"``) and a 2-layer ViT whose last layer the pooling adapter reads. Skips where
     transformers has no Molmo2 (it came after 5.17, the floor)."""
-    transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Molmo2ForConditionalGeneration"):
         pytest.skip(f"transformers {transformers.__version__} has no Molmo2ForConditionalGeneration")
     text = {**TEXT_CONFIG, "head_dim": 16, "additional_vocab_size": 8, "qk_norm_type": qk_norm}

@@ -12,7 +12,7 @@ from priortr.adapters.internvl import InternVLAdapter
 from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
-from priortr.adapters.minicpmv import MiniCPMVAdapter
+from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
 from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
@@ -78,6 +78,7 @@ register_adapter(Qwen3_5Adapter())
 register_adapter(Gemma3Adapter())
 register_adapter(Llama4Adapter())
 register_adapter(MiniCPMVAdapter())
+register_adapter(MiniCPMV4_7Adapter())
 register_adapter(Molmo2Adapter())
 
 __all__ = [

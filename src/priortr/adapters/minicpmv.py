@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from priortr.adapters.base import FamilyAdapter, VisionProbe, VisualItem, visual_runs
+from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 
 
@@ -84,3 +85,17 @@ class MiniCPMVAdapter(FamilyAdapter):
     def vision_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         multimodal = self.multimodal_model(model)
         return multimodal.vision_tower, multimodal.merger
+
+
+class MiniCPMV4_7Adapter(MiniCPMVAdapter):
+    """MiniCPM-V 4.7 (``MiniCPMV4_7ForConditionalGeneration``): 4.6's prompt layout and decoder, with canvas
+    M-RoPE positions (``get_rope_index``: temporal, height and width ids placing each view on the image's
+    canvas, from ``mm_token_type_ids`` and the markers' ids the config names). Their contract is Qwen2-VL's:
+    ``generate()`` passes ``[4, B, S]`` ids (the text row first) and keeps ``rope_deltas`` on the
+    multimodal model for later calls, so the position handling is ``QwenVLAdapter``'s."""
+
+    name = "minicpm-v-4.7"
+    model_types = ("minicpmv4_7",)
+
+    text_positions = QwenVLAdapter.text_positions
+    continuation_position_ids = QwenVLAdapter.continuation_position_ids

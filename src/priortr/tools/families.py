@@ -350,14 +350,19 @@ def _llama4_inputs(
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
+MINICPMV_MARKERS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
+"""The config fields of MiniCPM-V's markers (4.7 names them for its canvas M-RoPE; 4.6 does not)."""
+
+
 def _minicpmv_inputs(
     adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
 ) -> dict:
     """One image per row as ``MiniCPMV4_6Processor`` writes a sliced one: its global view and 2 x 2
     slices, every view a full square of the tower's position table (``image_size / patch_size`` patches a
     side: 448 / 14 gives 1024 patches, 64 tokens in the default 16x mode, 320 for the image), NaViT-packed.
-    The markers' ids are stand-ins just below the placeholders: ``<image>``, ``</image>``, ``<slice>``,
-    ``</slice>`` and the newline between rows of slices."""
+    The markers (``<image>``, ``</image>``, ``<slice>``, ``</slice>`` and the newline between rows of
+    slices) are the config's ids where it names them (4.7, with the processor's ``mm_token_type_ids``),
+    else stand-ins just below the placeholders."""
     if text_tokens < 6:
         raise ValueError(f"a benchmark prompt needs at least 6 text tokens; got {text_tokens}")
     vision = config.vision_config
@@ -365,22 +370,27 @@ def _minicpmv_inputs(
     n_view = side * side // 16
     image_id = config.image_token_id
     top = min(image_id, config.video_token_id or image_id)
-    start, end, slice_start, slice_end, newline = (top - k for k in range(1, 6))
+    named = [getattr(config, field, None) for field in MINICPMV_MARKERS]
+    markers = named if None not in named else [top - k for k in range(1, 6)]
+    start, end, slice_start, slice_end, newline = markers
     image = [start, *[image_id] * n_view, end]
     for row in range(2):
         image += [newline] * (row > 0) + [slice_start, *[image_id] * n_view, slice_end] * 2
-    text = torch.randint(100, newline, (batch, text_tokens), generator=generator)
+    text = torch.randint(100, min(top, *markers), (batch, text_tokens), generator=generator)
     ids = torch.cat([text[:, :4], torch.tensor(image).expand(batch, -1), text[:, 4:]], dim=1)
     views = 5 * batch
     pixels = torch.randn(
         1, 3, vision.patch_size, views * side * side * vision.patch_size, generator=generator
     )
-    return {
+    inputs = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
         "pixel_values": pixels,
         "target_sizes": torch.tensor([[side, side]] * views, dtype=torch.int32),
     }
+    if None not in named:
+        inputs["mm_token_type_ids"] = (ids == image_id).long()
+    return inputs
 
 
 def _molmo2_inputs(
