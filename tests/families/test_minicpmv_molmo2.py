@@ -21,6 +21,7 @@ from priortr.adapters.base import FamilyAdapter, VisualItem, visual_runs
 from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.molmo2 import Molmo2Adapter
 from tests.engine import test_equivalence
+from tests.families import test_local_and_linear_attention
 from tests.helpers.oracle import staged_reference
 from tests.helpers.pruned import generate, kept_rows, logits_atol, pruned_columns, reference_for, stage_masks
 from tests.helpers.tiny import BOS_ID
@@ -214,7 +215,7 @@ def test_molmo2_is_registered_and_its_image_ids_are_past_the_lm_head(molmo2):
 )
 def test_molmo2_one_item_per_image_of_both_views(molmo2, make_batch, highs):
     """An image is one item: its 2 x 2 low-resolution patches and its high-resolution ones, one run per row
-    of either view; the separator is the ``<im_col>`` right after its last patch."""
+    of either view; the separator is the token after the ``<im_end>`` closing it (here text)."""
     batch = make_batch(molmo2, 3)
     items = adapter_for(molmo2).visual_items(molmo2.config, batch.input_ids)
     expected = [(row, high) for row, images in enumerate(highs) for high in images]
@@ -227,14 +228,16 @@ def test_molmo2_one_item_per_image_of_both_views(molmo2, make_batch, highs):
             and ids[runs[0][0] - 1] == LOW_RES_START_ID
             and ids[runs[2][0] - 1] == IM_START_ID
         )
-        assert item.separator == runs[-1][1] and ids[item.separator] == IM_COL_ID
-        assert ids[item.separator + 1] == IM_END_ID
+        assert ids[runs[-1][1]] == IM_COL_ID and item.separator == runs[-1][1] + 2
+        assert ids[item.separator - 1] == IM_END_ID and batch.mm_token_type_ids[item.row, item.separator] == 0
     check_items(items, batch.input_ids, IM_PATCH_ID)
 
 
 def test_molmo2_layouts_of_other_processor_settings(molmo2):
-    """Without column tokens the separator is ``<im_end>``; with ``<im_start>`` opening both views
-    (``use_single_crop_start_token=False``) views pair in order; video frames are items of their own."""
+    """Without column tokens, and with ``<im_start>`` opening both views (``use_single_crop_start_token=
+    False``: views pair in order), the separator is the token after the image's ``<im_end>`` (the next
+    image's opener where it follows at once); video frames are items of their own, closed by
+    ``<frame_end>``."""
     config = molmo2.config
 
     def plain(start: int, grid: tuple[int, int]) -> list[int]:
@@ -249,9 +252,8 @@ def test_molmo2_layouts_of_other_processor_settings(molmo2):
     assert [(item.size, item.modality) for item in items] == [(10, "image"), (6, "image"), (6, "image")] + [
         (4, "video")
     ] * 2
-    assert [int(ids[0, item.separator]) for item in items] == [IM_END_ID, IM_COL_ID, IM_COL_ID] + [
-        FRAME_END_ID
-    ] * 2
+    assert [int(ids[0, item.separator]) for item in items] == [8, IM_START_ID, 9, 6, 10]
+    assert [int(ids[0, item.separator - 1]) for item in items] == [IM_END_ID] * 3 + [FRAME_END_ID] * 2
     check_items(items, ids, IM_PATCH_ID)
 
 
@@ -346,3 +348,34 @@ def test_molmo2_input_norm_follows_norm_after(molmo2):
 def test_second_turn_on_pruned_cache_matches_the_reference(family, new_tokens_only):
     """Turn 1 prunes; turn 2 continues on the pruned cache (the check every multi-turn family runs)."""
     test_equivalence.test_second_turn_on_pruned_cache_matches_masked_reference(family, new_tokens_only)
+
+
+def test_minicpmv_prior_and_posterior_are_the_scored_layers_own_attention():
+    """Q, P and FastV's last row at full-attention layer 1 equal those read off its eager attention weights
+    (the check the families with other layer kinds run)."""
+    test_local_and_linear_attention.test_prior_and_posterior_are_the_scored_layers_own_attention(
+        "minicpm-v-4.6", 1
+    )
+
+
+def test_molmo2_prior_and_posterior_are_the_scored_layers_own_attention():
+    """With the bidirectional image block, Q and P at layer 1 equal those read off its eager attention
+    weights (head mean) at the separator after ``<im_end>`` and the text rows from it on. The ``<im_col>``
+    right after the last patch is a block row (it attends to the ``<im_end>`` after it), which a causal
+    recomputation could not reproduce: why the separator is not there."""
+    eager = tiny_molmo2(attn="eager", dtype=torch.float32)
+    batch = molmo2_batch(eager, 2)
+    weights = test_local_and_linear_attention._attention_weights(eager, 1, batch).mean(dim=1)  # [B, S, S]
+    model = tiny_molmo2(dtype=torch.float32)
+    with priortr.apply(model, method="fastv", budget=batch.n_visual, layer=1) as handle, torch.no_grad():
+        model(**batch.kwargs())
+    result = handle.last
+    items = adapter_for(model).visual_items(model.config, batch.input_ids)
+    for item in items:
+        row, visual, separator = item.row, item.positions, item.separator
+        rows = [r for r in range(separator, batch.seq_len) if batch.attention_mask[row, r]]
+        prior, posterior = weights[row, separator, visual], weights[row][rows][:, visual].mean(dim=0)
+        torch.testing.assert_close(result.prior[row], prior / prior.sum(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result.posterior[row], posterior / posterior.sum(), atol=1e-6, rtol=1e-5)
+        column = int(visual[-1]) + 1
+        assert weights[row, column, column + 1] > 1e-3  # a block row: <im_col> sees the later <im_end>

@@ -20,7 +20,7 @@ layers and gated full-attention layers).
 * The decoder's facts are Qwen3.5's (``Qwen3_5Adapter``): only full-attention layers can be scored, and a
   full-attention ``q_proj`` yields the query and an output gate per head. Positions are plain: ``generate()``
   passes ``[B, S]`` ids, which the text model repeats into its four M-RoPE rows, so the base class's
-  position handling applies.
+  position handling applies. MiniCPM-V 4.7 (``MiniCPMV4_7Adapter``, below) differs in its positions only.
 """
 
 import torch
@@ -32,7 +32,7 @@ from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 
 
 class MiniCPMVAdapter(FamilyAdapter):
-    name = "minicpm-v"
+    name = "minicpm-v-4.6"
     model_types = ("minicpmv4_6",)
     separator_token = "the </slice> closing the image's last slice (its </image> when it is not sliced)"
 

@@ -12,16 +12,22 @@ into tokens, and an OLMo / Qwen3-style decoder.
   views share one item (one budget), so ``visual_items`` groups the runs of one image: the runs after each
   view's opener (``<low_res_im_start>``, ``<im_start>``) form a view, and an image is a view pair (a
   processor with ``use_single_crop_start_token=False`` opens both with ``<im_start>``, so views are paired in
-  order, low-resolution first). The separator is the token right after the image's last ``<im_patch>``:
-  the ``<im_col>`` closing its last row of crops (its ``<im_end>`` when the processor writes no column
-  tokens).
+  order, low-resolution first). The separator is the token after the ``<im_end>`` that closes the
+  image, the first token after it that is not an image token: the processor marks ``<im_col>`` and the
+  markers as image tokens (``mm_token_type_ids`` 1), and with those types every image token's query
+  attends to the whole image block, later tokens included, so a prior read at ``<im_col>`` or
+  ``<im_end>`` would not be the causal row the engine recomputes (measured on the tiny model: the
+  ``<im_col>`` after the last patch puts 4-5 % of its attention on the ``<im_end>`` after it, and its
+  head-averaged prior then differs from the recomputed one by 2.5e-3). Rows of text after the image are
+  causal, so its prior and posterior are exactly the model's own attention. Where the next image follows
+  at once, the separator is that image's opener, and the posterior rows of an image include a later
+  image's markers and columns: these rows are in the block, and the engine recomputes them causally.
 * A video is frames of the low-resolution path only, each ``<frame_start> ... <frame_end>`` with the same
-  ``<im_patch>`` id (``config.video_token_id`` is ``image_patch_id``); each frame is a video item.
+  ``<im_patch>`` id (``config.video_token_id`` is ``image_patch_id``); each frame is a video item, its
+  separator the token after its ``<frame_end>``.
 * With ``mm_token_type_ids`` (the processor returns them), every image token of a row (patches, columns
   and markers) is one bidirectional block at prefill (``Molmo2Model.forward``: ``block_sequence_ids``). The
-  4-D mask the layers receive carries it, and the engine gathers it to the kept tokens. The rows PriorTR
-  recomputes all follow the item they score and see every token of it either way, so their attention to it,
-  normalised over it, is the causal one.
+  4-D mask the layers receive carries it, and the engine gathers it to the kept tokens.
 * The special ids sit past the LM head's vocabulary (the embedding has ``additional_vocab_size`` more rows):
   nothing here reads the LM head.
 * Attention: q/k RMSNorm per head (``qk_norm_type="qwen3"``) or over the whole projection (``"olmo"``),
@@ -38,15 +44,13 @@ from priortr.adapters.base import FamilyAdapter, VisionProbe, VisualItem, visual
 class Molmo2Adapter(FamilyAdapter):
     name = "molmo2"
     model_types = ("molmo2",)
-    separator_token = (
-        "the token after the image's last <im_patch> (the <im_col> closing its last row of crops)"
-    )
+    separator_token = "the token after the <im_end> that closes the image (its high-resolution view)"
 
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_patch_id}
 
     def visual_items(self, config, input_ids: torch.Tensor) -> list[VisualItem]:
-        """One item per image (both views) or video frame; its separator is the slot after its last run."""
+        """One item per image (both views) or video frame, separated by the token after its closer."""
         openers = {
             config.low_res_image_start_token_id: "low",
             config.image_start_token_id: "view",
@@ -68,19 +72,26 @@ class Molmo2Adapter(FamilyAdapter):
                     views.append((openers[ids[opener]], []))
                     opened = opener
                 views[-1][1].append((start, end))
-            items += self._items(row, views, input_ids.device)
+            closers = {config.image_end_token_id, config.frame_end_token_id}
+            items += self._items(row, views, ids, closers, input_ids.device)
         return items
 
     @staticmethod
     def _items(
-        row: int, views: list[tuple[str, list[tuple[int, int]]]], device: torch.device
+        row: int,
+        views: list[tuple[str, list[tuple[int, int]]]],
+        ids: list[int],
+        closers: set[int],
+        device: torch.device,
     ) -> list[VisualItem]:
         """Row ``row``'s items from its views in order: image views in pairs (low-resolution, then
-        high-resolution), a video frame alone."""
+        high-resolution), a video frame alone. The separator is the token after the ``<im_end>``
+        (``<frame_end>``) that closes the item's last view: the prompt's length where none does."""
 
         def item(runs: list[tuple[int, int]], modality: str) -> VisualItem:
             positions = torch.cat([torch.arange(start, end, device=device) for start, end in runs])
-            return VisualItem(row, positions, runs[-1][1], modality)
+            closer = next((p for p in range(runs[-1][1], len(ids)) if ids[p] in closers), len(ids) - 1)
+            return VisualItem(row, positions, closer + 1, modality)
 
         items, pending = [], None
         for kind, runs in views:
