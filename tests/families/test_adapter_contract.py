@@ -82,6 +82,10 @@ DUMMY_TOKENS = {
 
 FAMILY_NAMES = list(FAMILIES)
 
+SEPARATOR_GAPS = {"molmo2": 2}
+"""Tokens between an item's last visual token and its separator in the family's batch (Molmo2: the
+``<im_col>`` and ``<im_end>`` after the last patch); none elsewhere."""
+
 
 def test_every_family_has_a_row_in_every_table():
     assert list(ADAPTERS) == list(DUMMY_TOKENS) == FAMILY_NAMES
@@ -95,7 +99,8 @@ def test_adapter_is_registered(models, family):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_visual_items_cover_the_visual_tokens_once(models, family):
     """Items are ascending runs of positions, in prompt order, disjoint, covering exactly the visual
-    tokens of every row; each item's separator is the text token right after its last position."""
+    tokens of every row; each item's separator is the text token right after its last position (Molmo2's
+    after the ``<im_end>`` closing the image, past the image-token block: ``SEPARATOR_GAPS``)."""
     model = models[family]
     batch = FAMILIES[family][1](model, 3)
     items = adapter_for(model).visual_items(model.config, batch.input_ids)
@@ -109,7 +114,8 @@ def test_visual_items_cover_the_visual_tokens_once(models, family):
         assert not covered[item.row, item.positions].any()
         covered[item.row, item.positions] = True
         previous[item.row] = int(item.positions[-1])
-        assert item.separator == int(item.positions[-1]) + 1 and not visual[item.row, item.separator]
+        gap = SEPARATOR_GAPS.get(family, 0)
+        assert item.separator == int(item.positions[-1]) + 1 + gap and not visual[item.row, item.separator]
     assert torch.equal(covered, visual)
 
 
