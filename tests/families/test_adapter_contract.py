@@ -24,7 +24,9 @@ from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.llava_onevision1_5 import LlavaOnevision15Adapter
+from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
+from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
@@ -57,6 +59,9 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "gemma4": Gemma4Adapter,
     "gemma4-e2b": Gemma4Adapter,
     "gemma4-moe": Gemma4Adapter,
+    "minicpm-v-4.6": MiniCPMVAdapter,
+    "minicpm-v-4.7": MiniCPMV4_7Adapter,
+    "molmo2": Molmo2Adapter,
 }
 """The adapter ``adapter_for`` must pick for each family."""
 
@@ -84,10 +89,17 @@ DUMMY_TOKENS = {
     "gemma4": 14 * 20,  # the processor's default 280 tokens, each pooled from 2 x 2 patches
     "gemma4-e2b": 14 * 20,
     "gemma4-moe": 14 * 20,
+    "minicpm-v-4.6": 5 * 16,  # the global view and 2 x 2 slices, 16 x 16 patches each, merged 16 to 1
+    "minicpm-v-4.7": 5 * 16,
+    "molmo2": 4 + 16,  # 2 x 2 low-resolution tokens, 4 x 4 from 2 x 2 crops
 }
 """Visual tokens per row of ``families.dummy_inputs(adapter, config, 2, 8, ...)`` (the benchmark prompt)."""
 
 FAMILY_NAMES = list(FAMILIES)
+
+SEPARATOR_GAPS = {"molmo2": 2}
+"""Tokens between an item's last visual token and its separator in the family's batch (Molmo2: the
+``<im_col>`` and ``<im_end>`` after the last patch); none elsewhere."""
 
 
 def test_every_family_has_a_row_in_every_table():
@@ -102,7 +114,8 @@ def test_adapter_is_registered(models, family):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_visual_items_cover_the_visual_tokens_once(models, family):
     """Items are ascending runs of positions, in prompt order, disjoint, covering exactly the visual
-    tokens of every row; each item's separator is the text token right after its last position."""
+    tokens of every row; each item's separator is the text token right after its last position (Molmo2's
+    after the ``<im_end>`` closing the image, past the image-token block: ``SEPARATOR_GAPS``)."""
     model = models[family]
     batch = FAMILIES[family][1](model, 3)
     items = adapter_for(model).visual_items(model.config, batch.input_ids)
@@ -116,7 +129,8 @@ def test_visual_items_cover_the_visual_tokens_once(models, family):
         assert not covered[item.row, item.positions].any()
         covered[item.row, item.positions] = True
         previous[item.row] = int(item.positions[-1])
-        assert item.separator == int(item.positions[-1]) + 1 and not visual[item.row, item.separator]
+        gap = SEPARATOR_GAPS.get(family, 0)
+        assert item.separator == int(item.positions[-1]) + 1 + gap and not visual[item.row, item.separator]
     assert torch.equal(covered, visual)
 
 

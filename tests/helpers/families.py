@@ -79,11 +79,25 @@ from tests.helpers.tiny_llava_onevision1_5 import (
     llava_onevision1_5_video_batch,
     tiny_llava_onevision1_5,
 )
+from tests.helpers.tiny_minicpmv import (
+    minicpmv_4x_batch,
+    minicpmv_batch,
+    minicpmv_multi_image_batch,
+    minicpmv_ragged_batch,
+    tiny_minicpmv4_6,
+    tiny_minicpmv4_7,
+)
 from tests.helpers.tiny_mistral3 import (
     mistral3_batch,
     mistral3_multi_image_batch,
     mistral3_ragged_batch,
     tiny_mistral3,
+)
+from tests.helpers.tiny_molmo2 import (
+    molmo2_batch,
+    molmo2_multi_image_batch,
+    molmo2_ragged_batch,
+    tiny_molmo2,
 )
 from tests.helpers.tiny_qwen3_5 import tiny_qwen3_5, tiny_qwen3_5_moe
 from tests.helpers.tiny_qwen3_vl import (
@@ -121,6 +135,9 @@ FAMILIES: dict[str, tuple[Callable[[], PreTrainedModel], BatchBuilder]] = {
     "gemma4": (tiny_gemma4, gemma4_batch),
     "gemma4-e2b": (tiny_gemma4_e2b, gemma4_batch),
     "gemma4-moe": (tiny_gemma4_moe, gemma4_batch),
+    "minicpm-v-4.6": (tiny_minicpmv4_6, minicpmv_batch),
+    "minicpm-v-4.7": (tiny_minicpmv4_7, minicpmv_batch),
+    "molmo2": (tiny_molmo2, molmo2_batch),
 }
 """Every supported family: (model builder, batch builder)."""
 
@@ -176,6 +193,13 @@ LAYOUTS: dict[str, dict[str, BatchBuilder]] = {
     "gemma4": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
     "gemma4-e2b": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
     "gemma4-moe": {"ragged": gemma4_ragged_batch, "two images": gemma4_multi_image_batch},
+    "minicpm-v-4.6": {
+        "ragged": minicpmv_ragged_batch,
+        "two images": minicpmv_multi_image_batch,
+        "4x": minicpmv_4x_batch,
+    },
+    "minicpm-v-4.7": {"ragged": minicpmv_ragged_batch, "two images": minicpmv_multi_image_batch},
+    "molmo2": {"ragged": molmo2_ragged_batch, "two images": molmo2_multi_image_batch},
 }
 """Further prompt layouts per family: {family: {layout: batch builder}}."""
 

@@ -34,12 +34,19 @@ def has_local_or_linear_layers(model) -> bool:
     return kinds != {"full_attention"} or getattr(text, "sliding_window", None) is not None
 
 
+BIDIRECTIONAL_IMAGES = ("molmo2",)
+"""Model types whose prefill mask lets image tokens attend to later ones in a model of full attention only
+(Molmo2, given ``mm_token_type_ids``: every image token of a row is one bidirectional block), which the
+causal masked reference does not model."""
+
+
 def reference_for(model, stages, attention_mask):
     """The reference a pruned run of ``model`` is compared to: the staged masked reference
-    (``tests.helpers.oracle``), or for models with local or linear-attention layers the reference that
-    runs each layer on the pruned sequence (``tests.helpers.pruned_reference``); both agree on full
-    attention (``tests/engine/test_pruned_reference.py``) and take the same inputs."""
-    if has_local_or_linear_layers(model):
+    (``tests.helpers.oracle``), or for models with local or linear-attention layers or bidirectional
+    image blocks the reference that runs each layer on the pruned sequence with the mask transformers
+    built (``tests.helpers.pruned_reference``); both agree on causal full attention
+    (``tests/engine/test_pruned_reference.py``) and take the same inputs."""
+    if has_local_or_linear_layers(model) or model.config.model_type in BIDIRECTIONAL_IMAGES:
         return pruned_reference(model, stages, attention_mask)
     return staged_reference(model, stages, attention_mask)
 
@@ -123,8 +130,11 @@ def row_alone(batch: Batch, row: int) -> dict:
     Qwen-VL packs every image's patches into one tensor (``image_grid_thw`` says how many each row
     has); a batch whose rows hold different image counts says them (``images_per_row``), one entry per
     image; every other input with a leading axis divisible by the batch size holds the same number of
-    entries per row (the batches of ``tests.helpers.families`` give every row the same images).
+    entries per row (the batches of ``tests.helpers.families`` give every row the same images). A batch
+    that packs its rows' images otherwise gives each row's inputs (``row_inputs``).
     """
+    if batch.row_inputs is not None:
+        return batch.row_inputs[row]
     real = batch.attention_mask[row].bool()
     kwargs = batch.kwargs()
     out = {

@@ -189,6 +189,8 @@ class Batch:
     visual_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     images_per_row: list[int] | None = None  # where rows hold different image counts (one input each)
+    row_inputs: list[dict[str, Any]] | None = None  # each row's own inputs, where the batch packs rows'
+    # images in a way ``row_alone`` cannot split (MiniCPM-V's NaViT packing, Molmo2's pooling indices)
 
     def __post_init__(self) -> None:
         """``n_visual`` 0 with ``visual_ids`` means: the rows' common count, if they share one."""

@@ -205,7 +205,7 @@ def _first_layer(method: str) -> int:
     return config.schedule(16, 4)[0][0]
 
 
-HYBRID = ("qwen3.5", "qwen3.5-moe")
+HYBRID = ("qwen3.5", "qwen3.5-moe", "minicpm-v-4.6", "minicpm-v-4.7")
 """Families with linear-attention layers: on the tiny models only layer 1 can be scored, so one-layer
 methods score it there and methods that score several layers cannot run (refusal tested in
 tests/families/test_local_and_linear_attention.py)."""

@@ -15,7 +15,9 @@ from priortr.adapters.llama4 import Llama4Adapter
 from priortr.adapters.llava import LlavaAdapter
 from priortr.adapters.llava_next import LlavaNextAdapter, LlavaOnevisionAdapter
 from priortr.adapters.llava_onevision1_5 import LlavaOnevision15Adapter
+from priortr.adapters.minicpmv import MiniCPMV4_7Adapter, MiniCPMVAdapter
 from priortr.adapters.mistral3 import Mistral3Adapter
+from priortr.adapters.molmo2 import Molmo2Adapter
 from priortr.adapters.qwen2_vl import QwenVLAdapter
 from priortr.adapters.qwen3_5 import Qwen3_5Adapter
 from priortr.adapters.qwen3_vl import Qwen3VLAdapter
@@ -81,6 +83,9 @@ register_adapter(Llama4Adapter())
 register_adapter(LlavaOnevision15Adapter())
 register_adapter(Glm46VAdapter())
 register_adapter(Gemma4Adapter())
+register_adapter(MiniCPMVAdapter())
+register_adapter(MiniCPMV4_7Adapter())
+register_adapter(Molmo2Adapter())
 
 __all__ = [
     "FamilyAdapter",

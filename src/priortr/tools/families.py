@@ -19,7 +19,9 @@ from priortr.adapters import (
     Llama4Adapter,
     LlavaAdapter,
     LlavaNextAdapter,
+    MiniCPMVAdapter,
     Mistral3Adapter,
+    Molmo2Adapter,
     QwenVLAdapter,
 )
 
@@ -379,6 +381,102 @@ def _llama4_inputs(
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
+MINICPMV_MARKERS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
+"""The config fields of MiniCPM-V's markers (4.7 names them for its canvas M-RoPE; 4.6 does not)."""
+
+
+def _minicpmv_inputs(
+    adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
+) -> dict:
+    """One image per row as ``MiniCPMV4_6Processor`` writes a sliced one: its global view and 2 x 2
+    slices, every view a full square of the tower's position table (``image_size / patch_size`` patches a
+    side: 448 / 14 gives 1024 patches, 64 tokens in the default 16x mode, 320 for the image), NaViT-packed.
+    The markers (``<image>``, ``</image>``, ``<slice>``, ``</slice>`` and the newline between rows of
+    slices) are the config's ids where it names them (4.7, with the processor's ``mm_token_type_ids``),
+    else stand-ins just below the placeholders."""
+    if text_tokens < 6:
+        raise ValueError(f"a benchmark prompt needs at least 6 text tokens; got {text_tokens}")
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    n_view = side * side // 16
+    image_id = config.image_token_id
+    top = min(image_id, config.video_token_id or image_id)
+    named = [getattr(config, field, None) for field in MINICPMV_MARKERS]
+    markers = named if None not in named else [top - k for k in range(1, 6)]
+    start, end, slice_start, slice_end, newline = markers
+    image = [start, *[image_id] * n_view, end]
+    for row in range(2):
+        image += [newline] * (row > 0) + [slice_start, *[image_id] * n_view, slice_end] * 2
+    text = torch.randint(100, min(top, *markers), (batch, text_tokens), generator=generator)
+    ids = torch.cat([text[:, :4], torch.tensor(image).expand(batch, -1), text[:, 4:]], dim=1)
+    views = 5 * batch
+    pixels = torch.randn(
+        1, 3, vision.patch_size, views * side * side * vision.patch_size, generator=generator
+    )
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": pixels,
+        "target_sizes": torch.tensor([[side, side]] * views, dtype=torch.int32),
+    }
+    if None not in named:
+        inputs["mm_token_type_ids"] = (ids == image_id).long()
+    return inputs
+
+
+def _molmo2_inputs(
+    adapter: FamilyAdapter, config, batch: int, text_tokens: int, generator: torch.Generator
+) -> dict:
+    """One image per row as ``Molmo2Processor`` writes it, from 5 crops of ``s x s`` patches (27 x 27 at
+    378 px and 14 px patches): the global crop's low-resolution view of ``h x h`` tokens, ``h = ceil(s /
+    2)``, then the 2 x 2 other crops' high-resolution view of ``2h x 2h`` tokens (980 tokens as released),
+    each token pooling a 2 x 2 window of its crop's patches; every row closed by a stand-in for ``<im_col>``
+    (the config names no id for it: the id after ``<im_patch>``), with the processor's
+    ``mm_token_type_ids``."""
+    if text_tokens < 6:
+        raise ValueError(f"a benchmark prompt needs at least 6 text tokens; got {text_tokens}")
+    vision = config.vision_config
+    side = vision.image_size[0] // vision.patch_size
+    low = -(-side // 2)
+    patch, column = config.image_patch_id, config.image_patch_id + 1
+
+    def window(crop: int, row: int, col: int) -> list[int]:
+        cells = [(2 * row + dr, 2 * col + dc) for dr in (0, 1) for dc in (0, 1)]
+        return [crop * side * side + r * side + c if r < side and c < side else -1 for r, c in cells]
+
+    pooling = [window(0, r, c) for r in range(low) for c in range(low)]
+    pooling += [
+        window(1 + 2 * (r // low) + c // low, r % low, c % low)
+        for r in range(2 * low)
+        for c in range(2 * low)
+    ]
+    image = [
+        config.low_res_image_start_token_id,
+        *([patch] * low + [column]) * low,
+        config.image_end_token_id,
+    ]
+    image += [
+        config.image_start_token_id,
+        *([patch] * 2 * low + [column]) * 2 * low,
+        config.image_end_token_id,
+    ]
+    text = torch.randint(100, config.text_config.vocab_size, (batch, text_tokens), generator=generator)
+    ids = torch.cat([text[:, :4], torch.tensor(image).expand(batch, -1), text[:, 4:]], dim=1)
+    pixels = torch.randn(
+        batch * 5, side * side, vision.patch_size**2 * vision.num_channels, generator=generator
+    )
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": pixels,
+        "image_grids": torch.tensor([[low, low, 2 * low, 2 * low]] * batch),
+        "image_token_pooling": torch.tensor(pooling * batch),
+        "image_num_crops": torch.full((batch,), 5),
+        # 1 on the image tokens: the markers, the patches and the columns, all past the LM head's vocabulary
+        "mm_token_type_ids": (ids >= config.text_config.vocab_size).long(),
+    }
+
+
 GRIDS = {LlavaAdapter: _clip_grid, QwenVLAdapter: _qwen_grid, Mistral3Adapter: _pixtral_grid}
 VIEWS = {LlavaAdapter: _clip_view, QwenVLAdapter: _whole_image, Mistral3Adapter: _whole_image}
 INPUTS = {
@@ -392,4 +490,6 @@ INPUTS = {
     Gemma3Adapter: _gemma3_inputs,
     Llama4Adapter: _llama4_inputs,
     Gemma4Adapter: _gemma4_inputs,
+    MiniCPMVAdapter: _minicpmv_inputs,
+    Molmo2Adapter: _molmo2_inputs,
 }
