@@ -22,7 +22,7 @@ from typing import NamedTuple
 from priortr.methods import get_method
 from priortr.testbed import VANILLA
 from priortr.testbed.significance import mcnemar, wilson_interval
-from priortr.tools.flops import profile_of_stages
+from priortr.tools.flops import POOLS_A_GRID, pooled_count, profile_of_stages
 
 SPLITS = ("scenes-test", "easy-vqa-test")
 RUNS = ("default", "layer4")
@@ -65,10 +65,13 @@ class Row(NamedTuple):
 
 def mean_visual(row: Row, budget: int) -> float:
     """Visual tokens per decoder layer in the prefill, averaged over the layers, from the method's
-    stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them)."""
+    stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them; downsample's
+    pooled grid: 169 for K = 192)."""
     info = get_method(row.method)
     if info.schedule is not None:
         stages = info.schedule(budget, N_VISUAL, N_LAYERS)
+    elif row.method in POOLS_A_GRID:
+        stages = [(-1, pooled_count(budget, N_VISUAL))]
     else:
         stages = [(-1 if info.where == "vision" else row.layer, budget)]
     return sum(profile_of_stages(stages).visual_per_layer(N_VISUAL, N_LAYERS)) / N_LAYERS

@@ -164,6 +164,8 @@ class FamilyAdapter:
 
     token_grids: bool = False
     """Whether ``item_grids`` can lay an image's tokens out on a 2-D grid (h, w)."""
+    no_grid: str = "its images are tiles or crops of several grids, or carry extra tokens"
+    """Why a family without ``token_grids`` has none, for the refusal of a method that needs one."""
 
     def item_grids(
         self, model_config, items: list[VisualItem], arguments: Mapping[str, Any]
