@@ -9,6 +9,8 @@ one-layer methods scored at layer 4), or any journals of the same questions (``-
     python benchmarks/accuracy_table.py benchmarks/results/accuracy
     python benchmarks/accuracy_table.py --journals benchmarks/results/accuracy/scenes-test-400 \
         benchmarks/results/accuracy/scenes-test-400-clse --budgets 64 32
+
+``--against downsample`` tests downsample, not PriorTR, against every other row.
 """
 
 from __future__ import annotations
@@ -118,9 +120,12 @@ def paired(a: Hits, b: Hits) -> str:
     return f"{test.only_a}/{test.only_b}, p={p}"
 
 
-def tables(title: str, journals: Sequence[Path], budgets: Sequence[int] | None = None) -> str:
+def tables(
+    title: str, journals: Sequence[Path], budgets: Sequence[int] | None = None, against: str = "priortr"
+) -> str:
     """The accuracy, visual-token and paired tables of ``journals`` at ``budgets`` (all of ``BUDGETS``
-    by default), under the heading ``title``."""
+    by default), under the heading ``title``; the paired tables test each row of method ``against``
+    (PriorTR by default) against every other row."""
     budgets = BUDGETS if budgets is None else budgets
     n, vanilla, rows = collect(journals)
     columns = " | ".join(f"K = {b}" for b in budgets)
@@ -133,7 +138,7 @@ def tables(title: str, journals: Sequence[Path], budgets: Sequence[int] | None =
     out += ["", f"Visual tokens per decoder layer in the prefill, {tokens}:", "", *header]
     for row in rows:
         out.append(f"| {row.label} | " + " | ".join(f"{mean_visual(row, b):.0f}" for b in budgets) + " |")
-    references = [row for row in rows if row.method == "priortr"]
+    references = [row for row in rows if row.method == against]
     for reference in references:
         out += ["", f"{reference.label} against each method (McNemar, {n} paired questions):", "", *header]
         out.append("| vanilla | " + " | ".join(paired(rows[reference][b], vanilla) for b in budgets) + " |")
@@ -157,9 +162,10 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=list(SPLITS))
     parser.add_argument("--journals", type=Path, nargs="+", help="journals of the same questions, instead")
     parser.add_argument("--budgets", type=int, nargs="+")
+    parser.add_argument("--against", default="priortr", help="the method the paired tables test (--journals)")
     args = parser.parse_args()
     if args.journals:
-        print(tables("journals", args.journals, args.budgets))
+        print(tables("journals", args.journals, args.budgets, args.against))
     elif args.root is not None:
         print("\n".join(split_tables(args.root, split) for split in args.splits))
     else:

@@ -105,7 +105,8 @@ class FamilyAdapter:
         ``attention_layers``: the decoder layers with softmax attention, when not every layer has it.
         ``injected_layers``: the leading layers that take visual features on their output (DeepStack).
         ``vision_probe``: the vision tower's [CLS] attention, for methods that rank by it.
-        ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it.
+        ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it or
+        pool it; ``no_grid``: why a family has none.
         ``vision_modules``: the first and last modules of the image path, for timing it.
     """
 
