@@ -9,6 +9,8 @@ one-layer methods scored at layer 4), or any journals of the same questions (``-
     python benchmarks/accuracy_table.py benchmarks/results/accuracy
     python benchmarks/accuracy_table.py --journals benchmarks/results/accuracy/scenes-test-400 \
         benchmarks/results/accuracy/scenes-test-400-clse --budgets 64 32
+
+``--against downsample`` tests downsample, not PriorTR, against every other row.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import NamedTuple
 from priortr.methods import get_method
 from priortr.testbed import VANILLA
 from priortr.testbed.significance import mcnemar, wilson_interval
-from priortr.tools.flops import profile_of_stages
+from priortr.tools.flops import POOLS_A_GRID, pooled_count, profile_of_stages
 
 SPLITS = ("scenes-test", "easy-vqa-test")
 RUNS = ("default", "layer4")
@@ -65,10 +67,13 @@ class Row(NamedTuple):
 
 def mean_visual(row: Row, budget: int) -> float:
     """Visual tokens per decoder layer in the prefill, averaged over the layers, from the method's
-    stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them)."""
+    stages (a schedule's stated counts; SparseVLM's recycled tokens come on top of them; downsample's
+    pooled grid: 169 for K = 192)."""
     info = get_method(row.method)
     if info.schedule is not None:
         stages = info.schedule(budget, N_VISUAL, N_LAYERS)
+    elif row.method in POOLS_A_GRID:
+        stages = [(-1, pooled_count(budget, N_VISUAL))]
     else:
         stages = [(-1 if info.where == "vision" else row.layer, budget)]
     return sum(profile_of_stages(stages).visual_per_layer(N_VISUAL, N_LAYERS)) / N_LAYERS
@@ -115,9 +120,12 @@ def paired(a: Hits, b: Hits) -> str:
     return f"{test.only_a}/{test.only_b}, p={p}"
 
 
-def tables(title: str, journals: Sequence[Path], budgets: Sequence[int] | None = None) -> str:
+def tables(
+    title: str, journals: Sequence[Path], budgets: Sequence[int] | None = None, against: str = "priortr"
+) -> str:
     """The accuracy, visual-token and paired tables of ``journals`` at ``budgets`` (all of ``BUDGETS``
-    by default), under the heading ``title``."""
+    by default), under the heading ``title``; the paired tables test each row of method ``against``
+    (PriorTR by default) against every other row."""
     budgets = BUDGETS if budgets is None else budgets
     n, vanilla, rows = collect(journals)
     columns = " | ".join(f"K = {b}" for b in budgets)
@@ -130,7 +138,7 @@ def tables(title: str, journals: Sequence[Path], budgets: Sequence[int] | None =
     out += ["", f"Visual tokens per decoder layer in the prefill, {tokens}:", "", *header]
     for row in rows:
         out.append(f"| {row.label} | " + " | ".join(f"{mean_visual(row, b):.0f}" for b in budgets) + " |")
-    references = [row for row in rows if row.method == "priortr"]
+    references = [row for row in rows if row.method == against]
     for reference in references:
         out += ["", f"{reference.label} against each method (McNemar, {n} paired questions):", "", *header]
         out.append("| vanilla | " + " | ".join(paired(rows[reference][b], vanilla) for b in budgets) + " |")
@@ -154,9 +162,10 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=list(SPLITS))
     parser.add_argument("--journals", type=Path, nargs="+", help="journals of the same questions, instead")
     parser.add_argument("--budgets", type=int, nargs="+")
+    parser.add_argument("--against", default="priortr", help="the method the paired tables test (--journals)")
     args = parser.parse_args()
     if args.journals:
-        print(tables("journals", args.journals, args.budgets))
+        print(tables("journals", args.journals, args.budgets, args.against))
     elif args.root is not None:
         print("\n".join(split_tables(args.root, split) for split in args.splits))
     else:

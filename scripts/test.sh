@@ -8,7 +8,8 @@
 # pytest-xdist runs one worker per core, each test module on one worker (its module-scoped tiny models
 # are built once), the long modules first (tests/conftest.py, LONG_MODULES), then in collection order;
 # tests/conftest.py gives each worker its share of torch's threads; the 15 slowest tests are printed.
-# `-n 0` runs one process.
+# `-n 0` runs one process. Each run first prints `priortr families`: which image-text classes of the
+# release under test priortr supports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -19,11 +20,13 @@ case "${1:-}" in
     [ "$option" = --floor ] && venv=.venv-floor
     [ -x "$venv/bin/pytest" ] || bash scripts/setup.sh "$option"
     "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    "$venv/bin/priortr" families
     exec "$venv/bin/pytest" -n auto --dist loadscope --no-loadscope-reorder --durations=15 tests/engine tests/families tests/methods "$@"
     ;;
 esac
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
 .venv/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+.venv/bin/priortr families
 .venv/bin/ruff check src tests benchmarks scripts
 .venv/bin/ruff format --check src tests benchmarks scripts
 .venv/bin/pytest -n auto --dist loadscope --no-loadscope-reorder --durations=15 "$@"

@@ -52,7 +52,7 @@ def report(config_dir):
     model = bench.build_model(str(config_dir), torch.device("cpu"), torch.float32)
     return bench.run_bench(
         model,
-        ["vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse"],
+        ["vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse", "downsample"],
         [K],
         [1],
         layer=2,
@@ -71,7 +71,7 @@ def test_kv_cache_bytes_are_measured_and_exact(report):
         assert case.kv_cache_bytes == case.kv_cache_expected_bytes
         # SparseVLM's published schedule, scaled to 8 layers, ends with 17 tokens for K = 64, and the
         # authors' code recycles one cluster on top of them; VisionZip's [CLS] takes one of its K slots;
-        # CLSE's "64" keeps 110, 70, then 20.
+        # CLSE's "64" keeps 110, 70, then 20; downsample pools the 24 x 24 grid to 8 x 8 = 64.
         kept = {"sparsevlm": 18, "visionzip": K - 1, "clse": 20}.get(case.method, K)
         assert case.kv_cache_bytes * (TEXT + N_VISUAL) == vanilla.kv_cache_bytes * (TEXT + kept)
 
@@ -100,7 +100,7 @@ def test_reports_are_complete(report, tmp_path):
     assert table.count("\n| ") == 2 + len(report.cases)  # header, rule, one row per case
     assert "roofline limit" in table
     document = report.to_json()
-    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse"}
+    methods = {"vanilla", "priortr", "fastv", "pdrop", "visionzip", "sparsevlm", "clse", "downsample"}
     assert {row["method"] for row in document["cases"]} == methods
     assert document["ceilings"]["matmul_flops_per_s"] > 0 and document["meta"]["device_type"] == "cpu"
     bench.plot(report, tmp_path / "bench.png")

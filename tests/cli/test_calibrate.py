@@ -131,11 +131,16 @@ def test_clse_is_calibrated_on_its_schedule(loaded, folder: Path, tmp_path: Path
 
 def test_flops_count_the_tokens_a_method_leaves(loaded, folder: Path, tmp_path: Path) -> None:
     """VisionZip leaves K - 1 (its [CLS] takes a slot): its FLOPs are DivPrune's at K - 1, both cut before
-    the language model, on the same prompts; not DivPrune's at K."""
+    the language model, on the same prompts; not DivPrune's at K. Downsample at K = 6 pools the 4 x 4 grid
+    to 2 x 2: DivPrune's FLOPs at 4."""
     settings = [calibrate.Setting("visionzip", None, 4), *calibrate.grid(["divprune"], [1], [3, 4])]
-    visionzip, divprune_3, divprune_4 = run_calibration(loaded, folder, tmp_path, settings).measurements
+    settings.append(calibrate.Setting("downsample", None, 6))
+    measured = run_calibration(loaded, folder, tmp_path, settings).measurements
+    visionzip, divprune_3, divprune_4, downsample = measured
     assert visionzip.mean_kept == divprune_3.mean_kept == 3
     assert visionzip.flops_share == divprune_3.flops_share < divprune_4.flops_share
+    assert downsample.mean_kept == divprune_4.mean_kept == 4
+    assert downsample.flops_share == divprune_4.flops_share
 
 
 def test_a_rerun_measures_only_new_configurations(loaded, folder: Path, tmp_path: Path, monkeypatch) -> None:

@@ -218,19 +218,14 @@ the tiny model (tested in tests/families/test_gemma4.py)."""
 
 
 GRID_FAMILIES = (
-    "llava",
-    "video-llava",
-    "qwen2-vl",
-    "qwen2.5-vl",
-    "qwen3-vl",
-    "qwen3-vl-moe",
-    "glm4v",
-    "llava-onevision-1.5",
-    "glm46v",
-    "glm46v-moe",
+    *("llava", "video-llava", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "glm4v"),
+    *("llava-onevision-1.5", "glm46v", "glm46v-moe", "qwen3.5", "qwen3.5-moe"),
 )
-"""Families whose adapter lays an image's tokens on a grid (``token_grids``), for CLSE (the refusal
-elsewhere: tests/methods/test_methods_clse.py)."""
+"""Families whose adapter lays an image's tokens on a grid (``token_grids``), for CLSE and downsample (the
+refusals elsewhere: tests/methods/test_methods_clse.py, test_methods_downsample.py)."""
+POOLED = 4
+"""Tokens downsample leaves of every grid family's tiny image for K = 6: 4 x 4 and 3 x 4 grids pool to
+2 x 2."""
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -259,7 +254,9 @@ def _cases() -> list[tuple[str, str]]:
 
 def _survivors(method: str, stages: list[tuple[int, int]], n_visual: int) -> int:
     """Visual tokens left after ``stages``: the last count, or for SparseVLM (the authors' default) each
-    stage's count plus the clusters it recycles on top."""
+    stage's count plus the clusters it recycles on top, or downsample's pooled grid."""
+    if method == "downsample":
+        return POOLED
     if method != "sparsevlm":
         return stages[-1][1]
     for _, count in stages:
@@ -286,7 +283,8 @@ def test_every_method_keeps_exactly_k_and_a_batch_equals_its_rows(family, method
         survivors = _survivors(method, handle.config.schedule(batch.n_visual, n_layers), batch.n_visual)
         assert kept.shape[1] == (survivors - 1 if method == "visionzip" else survivors)
         if priortr.get_method(method).schedule is None:  # VisionZip's [CLS] takes one of its K slots
-            assert kept.shape[1] == (budget - 1 if method == "visionzip" else budget)
+            expected = {"visionzip": budget - 1, "downsample": POOLED}.get(method, budget)
+            assert kept.shape[1] == expected
         for row in range(batch.batch_size):
             alone = model(**row_alone(batch, row)).logits[:, -1]
             assert torch.equal(handle.last.kept - handle.last.visual_start[:, None], kept[row : row + 1])

@@ -55,6 +55,18 @@ def test_cells_and_paired_tests_by_hand(root: Path, monkeypatch: pytest.MonkeyPa
     assert "| vanilla | 0/0, p=1.000 |" in table
 
 
+def test_the_paired_tables_test_the_method_asked_for(root: Path):
+    """``against="fastv"``: fastv against PriorTR at layer 2 (1 / 4, p = 0.375), and downsample's row counts
+    its pooled grid (8 x 8 of 24 x 24 for K = 64, before layer 0)."""
+    journal(root / "s-downsample", "s", None, {("downsample", 64): [1, 1, 0, 0, 0]})
+    journals = [root / "s-default", root / "s-downsample"]
+    table = accuracy_table.tables("s", journals, [64], against="fastv")
+    assert "fastv @ layer 1 against each method" in table and "priortr @ layer 2 against" not in table
+    assert "| priortr @ layer 2 | 1/4, p=0.375 |" in table
+    assert "| downsample @ before the LLM | 64 |" in table
+    assert accuracy_table.mean_visual(Row("downsample", None), 192) == 169
+
+
 def test_an_unfinished_cell_is_refused(tmp_path: Path):
     journal(tmp_path / "s-default", "s", None, {("priortr", 64): [1, 1, 1, 1, 1]})
     path = tmp_path / "s-default" / "s.samples.jsonl"

@@ -190,7 +190,8 @@ def test_every_counted_method_has_the_stages_the_engine_runs():
     stage, read from ``handle.last``: the engine's own record, not the schedule the report is built from."""
     model = tiny_llava(text={"num_hidden_layers": 8})
     batch = llava_batch(model)
-    built_in = {"clse", "dart", "diff", "divprune", "entropy", "fastv", "logratio", "pdrop", "pdrop+priortr"}
+    built_in = {"clse", "dart", "diff", "divprune", "downsample", "entropy", "fastv", "logratio", "pdrop"}
+    built_in |= {"pdrop+priortr"}
     built_in |= {"posterior", "prior", "priortr", "priortr+merge", "prumerge", "prumerge+", "random"}
     assert set(flops.METHODS) == built_in | {"visionzip", "vispruner"}  # all but sparsevlm
     report = flops.flops_report(model.config, [6], methods=flops.METHODS)
@@ -201,6 +202,7 @@ def test_every_counted_method_has_the_stages_the_engine_runs():
         assert row["cuts"] == ran, row["method"]
     cuts = {row["method"]: row["cuts"] for row in report["rows"]}
     assert cuts["divprune"] == [[0, 6]] and cuts["visionzip"] == [[0, 5]]  # before layer 0; [CLS]'s slot
+    assert cuts["downsample"] == [[0, 4]]  # the 4 x 4 grid pooled to 2 x 2
     assert cuts["clse"] == [[1, 10], [3, 6], [5, 1]]  # prune layers 1, 3, 5; int(6 x 1.72 / 1.09 / 0.32)
     assert cuts["pdrop"] == [[2, 12], [4, 8], [6, 6]]  # 16 x (6/16)^(i/3), rounded
 
@@ -221,6 +223,21 @@ def test_staged_and_pre_llm_methods_on_llava_by_hand():
     assert clse["kv_cache_bytes"] == kv_cache_bytes("llava-1.5-7b", 48 + 20)
     table = flops.format_table(report)
     assert "| clse | cuts 1/11/21 | 64: 110/70/20 |" in table and "| visionzip | cuts 0 | 64: 63 |" in table
+
+
+def test_downsample_counts_its_pooled_grid():
+    """LLaVA-1.5's 24 x 24 grid pooled to 13 x 13, 11 x 11, 8 x 8 and 5 x 5 before layer 0; a token count
+    that is no square grid is refused."""
+    report = flops.flops_report("llava-1.5-7b", [192, 128, 64, 32], methods=["downsample"], decode_steps=0)
+    assert [row["cuts"] for row in report["rows"]] == [[[0, 169]], [[0, 121]], [[0, 64]], [[0, 25]]]
+    assert [row["kept"] for row in report["rows"]] == [192, 128, 64, 32]  # the budgets asked for
+    text = flops.model_shape("llava-1.5-7b").text
+    assert report["rows"][0]["flops"]["llm_prefill"] == 32 * decoder_layer_flops(text, 48 + 169)
+    assert report["rows"][0]["kv_cache_bytes"] == kv_cache_bytes("llava-1.5-7b", 48 + 169)
+    vanilla = report["vanilla"]["flops"]
+    assert all(report["rows"][0]["flops"][term] == vanilla[term] for term in ("vit", "projector"))
+    with pytest.raises(ValueError, match="600 tokens are no square grid"):
+        flops.flops_report("qwen2.5-vl-7b", [64], methods=["downsample"], image_tokens=600)
 
 
 def test_terms_restrict_the_total():

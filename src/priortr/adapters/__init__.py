@@ -24,6 +24,7 @@ from priortr.adapters.qwen3_vl import Qwen3VLAdapter
 from priortr.adapters.video_llava import VideoLlavaAdapter
 
 _ADAPTERS: dict[str, FamilyAdapter] = {}
+_REFUSED: dict[str, str] = {}
 
 
 def register_adapter(adapter: FamilyAdapter) -> FamilyAdapter:
@@ -33,6 +34,19 @@ def register_adapter(adapter: FamilyAdapter) -> FamilyAdapter:
             raise ValueError(f"model type {model_type!r} already has adapter {_ADAPTERS[model_type].name!r}")
         _ADAPTERS[model_type] = adapter
     return adapter
+
+
+def register_refusal(model_type: str, reason: str) -> None:
+    """Refuse a family priortr knows it cannot prune exactly, naming why (``adapter_for`` raises it,
+    ``priortr families`` lists it); raises on a model type that has an adapter or a refusal already."""
+    if model_type in _ADAPTERS or model_type in _REFUSED:
+        raise ValueError(f"model type {model_type!r} already has an adapter or a refusal")
+    _REFUSED[model_type] = reason
+
+
+def refusals() -> dict[str, str]:
+    """Why each refused model type is refused, by model type."""
+    return dict(_REFUSED)
 
 
 def supported_model_types() -> list[str]:
@@ -48,6 +62,11 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     """The adapter of ``model``'s family, or a ValueError naming the supported families."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in _REFUSED:
+        raise ValueError(
+            f"priortr does not support {type(model).__name__} (model_type={model_type!r}): "
+            f"{_REFUSED[model_type]}"
+        )
     if model_type not in _ADAPTERS:
         raise ValueError(
             f"priortr does not support {type(model).__name__} (model_type={model_type!r}); supported "
@@ -59,6 +78,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 def adapter_for_type(model_type: str) -> FamilyAdapter:
     """The adapter registered for a config's ``model_type`` (front ends that hold a config, not a
     transformers model: the vLLM plug-in), or a ValueError naming the supported model types."""
+    if model_type in _REFUSED:
+        raise ValueError(f"priortr does not support model_type={model_type!r}: {_REFUSED[model_type]}")
     if model_type not in _ADAPTERS:
         raise ValueError(
             f"priortr does not support model_type={model_type!r}; supported model types: "
@@ -91,7 +112,9 @@ __all__ = [
     "FamilyAdapter",
     "adapter_for",
     "adapter_for_type",
+    "refusals",
     "register_adapter",
+    "register_refusal",
     "supported_families",
     "supported_model_types",
 ]

@@ -107,7 +107,8 @@ class FamilyAdapter:
         (Gemma 4's KV sharing), which no method can score.
         ``injected_layers``: the leading layers that take visual features on their output (DeepStack).
         ``vision_probe``: the vision tower's [CLS] attention, for methods that rank by it.
-        ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it.
+        ``token_grids``, ``item_grids``: each image's token grid (h, w), for methods that filter on it or
+        pool it; ``no_grid``: why a family has none.
         ``vision_modules``: the first and last modules of the image path, for timing it.
     """
 
@@ -166,6 +167,8 @@ class FamilyAdapter:
 
     token_grids: bool = False
     """Whether ``item_grids`` can lay an image's tokens out on a 2-D grid (h, w)."""
+    no_grid: str = "its images are tiles or crops of several grids, or carry extra tokens"
+    """Why a family without ``token_grids`` has none, for the refusal of a method that needs one."""
 
     def item_grids(
         self, model_config, items: list[VisualItem], arguments: Mapping[str, Any]

@@ -23,6 +23,10 @@ class Gemma3Adapter(FamilyAdapter):
     name = "gemma3"
     model_types = ("gemma3",)
     separator_token = "<end_of_image>"
+    no_grid = (
+        "its tower pools an image to a square grid of mm_tokens_per_image tokens, which this adapter does "
+        "not hand to the engine yet"
+    )
 
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor

@@ -28,6 +28,7 @@ class Idefics3Adapter(FamilyAdapter):
     name = "idefics3"
     model_types = ("idefics3", "smolvlm")
     separator_token = "the <fake_token_around_image> that closes the image's <global-img> run"
+    no_grid = "an image is several sub-images and a global view, each a grid of its own"
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return self.multimodal_model(model).text_model

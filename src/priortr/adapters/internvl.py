@@ -23,6 +23,7 @@ class InternVLAdapter(FamilyAdapter):
     name = "internvl"
     model_types = ("internvl",)
     separator_token = "</img>"
+    no_grid = "an image is several tiles and a thumbnail in one run, each tile a grid of its own"
 
     def queries_and_keys(
         self, attention: nn.Module, query_out: torch.Tensor, key_out: torch.Tensor

@@ -37,6 +37,7 @@ class Llama4Adapter(FamilyAdapter):
     name = "llama4"
     model_types = ("llama4",)
     separator_token = "<|image_end|>"
+    no_grid = "an image is several tiles and a global view, each a grid of its own"
 
     def multimodal_model(self, model: nn.Module) -> nn.Module:
         return model

@@ -26,6 +26,10 @@ class LlavaNextAdapter(FamilyAdapter):
     name = "llava-next"
     model_types = ("llava_next",)
     separator_token = "the token after the <image> run ('\\n' in the LLaVA-NeXT templates)"
+    no_grid = (
+        "an AnyRes image is two grids in one run, the base crop's and the stitched, unpadded tile grid with "
+        "a newline token after each of its rows"
+    )
 
     def vision_probe(self, model: nn.Module) -> None:
         """None: the tower runs once per crop (base + tiles), each crop with its own [CLS] token, and the

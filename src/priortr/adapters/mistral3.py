@@ -23,6 +23,7 @@ class Mistral3Adapter(FamilyAdapter):
     name = "mistral3"
     model_types = ("mistral3",)
     separator_token = "[IMG_END]"
+    no_grid = "its [IMG] rows form a grid (image_grid), which this adapter does not hand to the engine yet"
 
     def image_grid(self, config, height: int, width: int) -> tuple[int, int]:
         """(rows, columns) of the visual tokens of an image the processor resized to ``height`` x

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from priortr.adapters.base import FamilyAdapter, VisualItem
+from priortr.tensors.host import to_host
 
 
 class QwenVLAdapter(FamilyAdapter):
@@ -23,13 +24,18 @@ class QwenVLAdapter(FamilyAdapter):
     ) -> list[VisualItem]:
         """Every image on its merged patch grid, (h // m, w // m) of its row of ``image_grid_thw``
         (images in batch and prompt order, m the vision config's ``spatial_merge_size``): the merged
-        tokens come row-major, as their M-RoPE height and width ids say. Videos are refused."""
+        tokens come row-major, as their M-RoPE height and width ids say. Videos are refused. A call of
+        ``generate()`` that encoded the images before the prefill (``mm_encoder_outputs``, transformers
+        5.2x) passes no ``image_grid_thw``: the grids are then read from its M-RoPE position ids."""
         grids = arguments.get("image_grid_thw")
         images = [item for item in items if item.modality == "image"]
         if len(images) != len(items):
             raise ValueError(
                 "a method that filters on the token grid takes images only; this prompt has a video"
             )
+        positions = arguments.get("position_ids")
+        if grids is None and positions is not None and positions.ndim == 3 and positions.shape[0] in (3, 4):
+            return [replace(item, grid=self._grid_from_positions(item, positions)) for item in items]
         if grids is None or len(grids) != len(images):
             found = "no image_grid_thw" if grids is None else f"{len(grids)} rows of image_grid_thw"
             raise ValueError(
@@ -45,6 +51,19 @@ class QwenVLAdapter(FamilyAdapter):
                 )
             out.append(replace(item, grid=grid))
         return out
+
+    @staticmethod
+    def _grid_from_positions(item: VisualItem, positions: torch.Tensor) -> tuple[int, int]:
+        """(rows, columns) of an image from its tokens' M-RoPE height and width ids (the last two rows of
+        ``positions`` [3 or 4, B, S]), which count its merged grid's rows and columns from one offset."""
+        (ids,) = to_host(positions[-2:, item.row].index_select(-1, item.positions.to(positions.device)))
+        grid = tuple(int(axis.max() - axis.min()) + 1 for axis in ids)
+        if grid[0] * grid[1] != item.size:
+            raise ValueError(
+                f"an image of {item.size} tokens has M-RoPE ids over a {grid[0]} x {grid[1]} grid, which "
+                "does not lay them out on one grid"
+            )
+        return grid
 
     def visual_token_ids(self, config) -> dict[str, int]:
         return {"image": config.image_token_id, "video": config.video_token_id}

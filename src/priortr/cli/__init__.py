@@ -3,9 +3,9 @@ testbed.
 
     priortr generate --model llava-hf/llava-1.5-7b-hf --image cat.png --prompt "What is this?" --budget 64
 
-One module per command (``generate``, ``methods``, ``flops``, ``bench``, ``viz``, ``demo``, ``evaluate``
-for ``eval``, ``calibrate``, ``report``), each with ``add_parser``, ``check`` (its input, before any
-work) and ``run``; ``parser`` assembles them, ``arguments`` and ``checks`` hold what several share.
+One module per command (``generate``, ``methods``, ``families``, ``flops``, ``bench``, ``viz``, ``demo``,
+``evaluate`` for ``eval``, ``calibrate``, ``report``), each with ``add_parser``, ``check`` (its input,
+before any work) and ``run``; ``parser`` assembles them, ``arguments`` and ``checks`` hold what several share.
 All pruning logic lives in the Python API, and models load through ``priortr.frontend.loading``.
 """
 

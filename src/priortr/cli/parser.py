@@ -10,10 +10,10 @@ import argparse
 import re
 
 from priortr import __version__
-from priortr.cli import bench, calibrate, demo, evaluate, flops, generate, methods, report, viz
+from priortr.cli import bench, calibrate, demo, evaluate, families, flops, generate, methods, report, viz
 
 # in the order of `priortr --help`
-COMMANDS = (generate, methods, flops, bench, viz, demo, evaluate, calibrate, report)
+COMMANDS = (generate, methods, families, flops, bench, viz, demo, evaluate, calibrate, report)
 
 
 class Parser(argparse.ArgumentParser):

@@ -275,18 +275,18 @@ def _check_options(info: MethodInfo, options: Mapping[str, Any] | None) -> tuple
 
 
 def check_grids(config: PruningConfig, adapter: FamilyAdapter) -> None:
-    """Refuse a method that reads each image's token grid (CLSE's 2-D FFT) where there is none: a family
-    whose adapter defines no grid (``FamilyAdapter.token_grids``), or images ranked together."""
+    """Refuse a method that reads each image's token grid (CLSE's 2-D FFT, downsample's pooling) where
+    there is none: a family whose adapter defines no grid (``FamilyAdapter.token_grids``; its
+    ``no_grid`` says why), or images ranked together."""
     name = config.method.name
     if not adapter.token_grids:
         raise ValueError(
-            f"{name} filters each image's tokens on its 2-D token grid, and the {adapter.name} adapter "
-            "defines no grid for an image (its images are tiles or crops of several grids, or carry "
-            "extra tokens); use it on LLaVA-1.5, Video-LLaVA images, Qwen2-VL / Qwen2.5-VL or GLM-4.1V, "
-            "or another method here"
+            f"{name} works on each image's 2-D token grid, and the {adapter.name} adapter defines no grid "
+            f"for an image: {adapter.no_grid}; use it on LLaVA-1.5, Video-LLaVA images, Qwen2-VL / "
+            "Qwen2.5-VL, GLM-4.1V or Qwen3.5, or another method here"
         )
     if config.multi_image != "per_image":
-        raise ValueError(f"{name} filters each image on its own grid; use multi_image='per_image'")
+        raise ValueError(f"{name} works on each image's own grid; use multi_image='per_image'")
 
 
 def check_injection(config: PruningConfig, injected: int, n_layers: int) -> None:

@@ -14,6 +14,7 @@ from priortr.methods import (  # noqa: F401  (registration)
     clse,
     dart,
     divprune,
+    downsample,
     fastv,
     pdrop,
     priortr,

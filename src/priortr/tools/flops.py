@@ -38,7 +38,8 @@ stages the engine runs (``PruningConfig.schedule``, at the method's default opti
 methods cut after their scored layer, multi-stage methods (CLSE, PyramidDrop) after each stage, and
 the methods that prune before the language model (VisionZip, DivPrune, ...) before layer 0, after
 the vision tower and the projector have run on every visual token, as the engine does (VisionZip
-leaves K - 1: ``CLS_TAKES_A_SLOT``). The ``pdrop`` rows alone keep PyramidDrop's own cache (each
+leaves K - 1: ``CLS_TAKES_A_SLOT``; downsample the rows x columns <= K of its pooled grid, on the square
+grid of the image's tokens: ``POOLS_A_GRID``). The ``pdrop`` rows alone keep PyramidDrop's own cache (each
 layer caches what it processed, the paper's PDrop KV-cache column); every other row has this
 package's compacted cache. SparseVLM is not counted: it recycles clusters on top of its schedule's
 counts (``priortr bench`` measures the tokens it leaves).
@@ -56,6 +57,7 @@ Prefill attention is counted over the full P x P square in both modes (dense ker
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,6 +67,7 @@ from transformers import PretrainedConfig
 from priortr import compat
 from priortr.engine.config import PruningConfig, resolve_budget
 from priortr.methods import available_methods, get_method
+from priortr.methods.downsample import pooled_grid
 from priortr.methods.pdrop import pyramid_stages
 from priortr.methods.registry import DEFAULT_LAYER
 from priortr.tools.configs import load_config
@@ -80,6 +83,9 @@ METHODS: tuple[str, ...] = tuple(name for name in available_methods() if name no
 CLS_TAKES_A_SLOT = frozenset({"visionzip"})
 """Methods that leave K - 1 of a budget K < N at their defaults: VisionZip counts the tower's [CLS], which
 LLaVA drops, as one of its K (``cls_takes_a_slot=True``, the authors' patch set)."""
+POOLS_A_GRID = frozenset({"downsample"})
+"""Methods that leave the rows x columns <= K of the grid they pool an image's token grid to
+(``priortr.methods.downsample.pooled_grid``); counted on a square grid of the image's tokens."""
 DEFAULT_BUDGETS: tuple[int, ...] = (192, 128, 64)
 DEFAULT_TEXT_TOKENS = 48
 DEFAULT_DECODE_STEPS = 63
@@ -459,7 +465,22 @@ def method_profile(
         if stages[0][1] == 1:
             raise ValueError(f"{method}: a budget of 1 leaves no patch once [CLS] takes its slot")
         stages = [(scored, kept - 1 if kept < n_visual else kept) for scored, kept in stages]
+    if method in POOLS_A_GRID:
+        stages = [(scored, pooled_count(kept, n_visual)) for scored, kept in stages]
     return profile_of_stages(stages, method)
+
+
+def pooled_count(budget: int, n_visual: int) -> int:
+    """Tokens left when a square grid of ``n_visual`` tokens is pooled for ``budget`` (``downsample``:
+    169 of 576 for K = 192); a count that is no square grid has no grid to pool."""
+    side = math.isqrt(n_visual)
+    if side * side != n_visual:
+        raise ValueError(
+            f"downsample pools an image's token grid, and {n_visual} tokens are no square grid; count it "
+            "with a square number of image tokens (--image-tokens 576)"
+        )
+    rows, cols = pooled_grid(side, side, budget)
+    return rows * cols
 
 
 # -- totals ------------------------------------------------------------------------------------------
