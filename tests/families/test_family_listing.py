@@ -26,7 +26,7 @@ def test_every_image_text_class_is_listed_and_each_supported_one_has_its_adapter
     listing = _listing(capsys)
     rows = {row["model_type"]: row for row in listing["families"]}
     assert set(rows) >= set(getattr(modeling_auto, MAPPING))  # transformers' own mapping, every class
-    assert set(rows) == set(compat.models.image_text_classes())
+    assert set(rows) == set(compat.model_classes.image_text_classes())
     assert {row["status"] for row in rows.values()} <= set(family_support.STATUSES)
     for model_type, row in rows.items():
         if row["status"] == "supported":
@@ -38,7 +38,7 @@ def test_every_image_text_class_is_listed_and_each_supported_one_has_its_adapter
     assert (rows["llava"]["status"], rows["llava"]["adapter"]) == ("supported", "llava")
     assert rows["qwen2_5_vl"]["adapter"] == "qwen2-vl"
     assert rows["llava"]["model_class"] == "LlavaForConditionalGeneration"
-    shipped = set(compat.models.image_text_classes())
+    shipped = set(compat.model_classes.image_text_classes())
     assert listing["absent"] == sorted(set(adapters.supported_model_types()) - shipped)
     assert listing["transformers"] == compat.release.installed()
 
@@ -105,7 +105,7 @@ def test_an_adapter_for_a_family_the_release_lacks_is_listed_apart(monkeypatch, 
 
 
 def test_a_release_without_the_mappings_is_refused(monkeypatch):
-    for name in compat.models.MAPPINGS:
+    for name in compat.model_classes.MAPPINGS:
         monkeypatch.delattr(modeling_auto, name, raising=False)
     with pytest.raises(compat.UnsupportedTransformers, match="image-text mappings"):
-        compat.models.image_text_classes()
+        compat.model_classes.image_text_classes()

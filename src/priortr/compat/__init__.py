@@ -9,13 +9,22 @@
 * ``masks``: attention masks gathered to the kept tokens, keyed by the attention implementation, and
   the masks of calls that continue a pruned cache of a model with local windows;
 * ``inputs``: model inputs named differently across releases;
-* ``models``: the image-text model classes the release ships, from its auto mappings.
+* ``model_classes``: the image-text model classes the release ships, from its auto mappings.
 
 Supporting a future rename is a one-line change in the module that names it (e.g.
 ``calls.CACHE_NAMES``); the tests run at both ends of the supported range.
 """
 
-from priortr.compat import cache, calls, inputs, layers, masks, models, release
+from priortr.compat import cache, calls, inputs, layers, masks, model_classes, release
 from priortr.compat.release import UnsupportedTransformers
 
-__all__ = ["UnsupportedTransformers", "cache", "calls", "inputs", "layers", "masks", "models", "release"]
+__all__ = [
+    "UnsupportedTransformers",
+    "cache",
+    "calls",
+    "inputs",
+    "layers",
+    "masks",
+    "model_classes",
+    "release",
+]

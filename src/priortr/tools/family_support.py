@@ -1,6 +1,6 @@
 """Which image-text models of the installed transformers priortr prunes, for ``priortr families``.
 
-Every class transformers' image-text auto mappings list (``priortr.compat.models``) is one row, marked
+Every class transformers' image-text auto mappings list (``priortr.compat.model_classes``) is one row, marked
 from the adapter registry (``priortr.adapters``), so a family whose adapter is registered shows as
 supported with no edit here, and a family a new transformers release adds shows as ``not yet``:
 
@@ -38,7 +38,7 @@ class FamilySupport:
 
 def family_support() -> list[FamilySupport]:
     """Every image-text model class of the installed transformers, by model type, with its support."""
-    classes = compat.models.image_text_classes()
+    classes = compat.model_classes.image_text_classes()
     supported = set(adapters.supported_model_types())
     refused = adapters.refusals()
     served = {classes[t]: t for t in sorted(supported) if t in classes}  # class -> a model type it serves
@@ -60,7 +60,7 @@ def family_support() -> list[FamilySupport]:
 def absent_model_types() -> list[str]:
     """Model types with an adapter or a refusal that the installed release ships no image-text class
     for (families newer than the release)."""
-    shipped = compat.models.image_text_classes()
+    shipped = compat.model_classes.image_text_classes()
     known = set(adapters.supported_model_types()) | set(adapters.refusals())
     return sorted(known - set(shipped))
 
