@@ -9,7 +9,12 @@ import torch
 
 import priortr
 from priortr.tools import bench
-from tests.helpers.families import FAMILIES, LAYOUTS, skip_unless_stock_runs_static
+from tests.helpers.families import (
+    FAMILIES,
+    LAYOUTS,
+    skip_gemma4_static_window_before_checked,
+    skip_unless_stock_runs_static,
+)
 from tests.helpers.pruned import assert_matches_reference, generate
 
 LAYER = 1  # the tiny Qwen3-VL injects DeepStack features into layers 0 and 1
@@ -56,6 +61,7 @@ def test_ragged_rows_decode_on_a_static_cache_as_the_reference(family):
     (Gemma 3's sliding, Llama 4's chunked) keep fewer slots than the pruned prompt."""
     model, batch = _build(family, "ragged")
     skip_unless_stock_runs_static(model)
+    skip_gemma4_static_window_before_checked(model)
     with priortr.apply(model, budget=0.4, layer=LAYER) as handle, torch.no_grad():
         logits = model(**batch.kwargs()).logits
         result = handle.last

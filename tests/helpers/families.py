@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Callable
 
 import pytest
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedModel, masking_utils
 
 from tests.helpers.tiny import (
@@ -220,3 +222,22 @@ def skip_unless_stock_runs_static(model: PreTrainedModel) -> None:
     builder = inspect.signature(masking_utils.create_chunked_causal_mask).parameters
     if "chunked_attention" in kinds and "block_sequence_ids" not in builder:
         pytest.skip("this transformers release cannot generate with a static cache for chunked attention")
+
+
+GEMMA4_STATIC_WINDOW_CHECKED = "5.25.0"
+"""The first release on which Gemma 4's left-padded rows and window-edge decoding on a static cache were
+seen to equal the masked reference."""
+
+
+def skip_gemma4_static_window_before_checked(model: PreTrainedModel) -> None:
+    """Skip Gemma 4 with left-padded rows or decoding past its sliding window on a static cache before
+    ``GEMMA4_STATIC_WINDOW_CHECKED``: on transformers 5.17.0 (CI's floor run, 2026-12-06) the pruned run
+    keeps other tokens than the masked reference there (the dynamic cache and the static cache without
+    padding or window edge agree); 5.25.0 agrees; releases between were not run and the cause is not known
+    (docs/families.md, Gemma 4)."""
+    old = Version(transformers.__version__) < Version(GEMMA4_STATIC_WINDOW_CHECKED)
+    if model.config.model_type == "gemma4" and old:
+        pytest.skip(
+            f"Gemma 4's padded or window-edge static-cache runs are checked from transformers "
+            f"{GEMMA4_STATIC_WINDOW_CHECKED} only (5.17.0 disagrees with the reference; not investigated)"
+        )
