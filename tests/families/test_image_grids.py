@@ -30,6 +30,6 @@ def test_qwen_grid_is_the_patch_grid_merged(adapter):
 def test_pixtral_grid_is_the_resized_pixels_over_a_token():
     """Mistral Small 3.1: 14 px patches merged 2 x 2, so 28 px a token: 672 x 448 px is 24 x 16."""
     config = SimpleNamespace(vision_config=SimpleNamespace(patch_size=14), spatial_merge_size=2)
-    assert Mistral3Adapter().image_grid(config, 672, 448) == (24, 16)
+    assert Mistral3Adapter().pixel_grid(config, 672, 448) == (24, 16)
     sizes = torch.tensor([[672, 448]])
     assert families.visual_grid(Mistral3Adapter(), config, {"image_sizes": sizes}, 0) == (24, 16)

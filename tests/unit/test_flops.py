@@ -1,4 +1,5 @@
-"""Analytic FLOPs (``priortr.tools.flops``) and the shipped true-shape configs (``priortr.tools.configs``)."""
+"""Analytic FLOPs (``priortr.tools.flops``) and the shipped true-shape configs
+(``priortr.frontend.configs``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 import priortr
+from priortr.frontend.configs import config_dict, load_config, shipped_configs
 from priortr.tools import flops
-from priortr.tools.configs import config_dict, load_config, shipped_configs
 from priortr.tools.flops import (
     LayerProfile,
     ModelShape,

@@ -40,19 +40,20 @@ FORBIDDEN = (
 FLOORS = {
     "tensors": 0,
     "compat": 1,
-    "methods": 1,
-    "adapters": 2,
-    "engine": 3,
-    "config_file": 4,
-    "api": 4,
-    "__init__": 4,
-    "tools": 5,
-    "frontend": 5,
-    "integrations": 5,
-    "cli": 5,
-    "testbed": 5,
+    "methods": 2,
+    "adapters": 3,
+    "engine": 4,
+    "config_file": 5,
+    "api": 6,
+    "__init__": 7,
+    "frontend": 8,
+    "tools": 9,
+    "integrations": 10,
+    "testbed": 11,
+    "cli": 12,
 }
-"""Each room's floor: a module imports from its own floor and those below it, never from one above."""
+"""Each room's floor, one room a floor: a module imports from its own room and the floors below it, never
+from one above, so between any two rooms at most one may import the other."""
 ENGINE_DOORS = frozenset({"priortr.engine.front_door", "priortr.engine.config"})
 """The engine modules ``integrations/`` may import: the front door, and ``PruningConfig``'s module (the
 checked settings every front end shares); never the engine's internals (its plan, stage, state,
@@ -184,10 +185,29 @@ def test_the_negative_control_finds_a_forbidden_import(tmp_path):
 
 
 def test_no_import_points_up_the_floors():
-    """tensors <- compat, methods <- adapters <- engine <- api <- tools, integrations, cli, testbed."""
+    """tensors <- compat <- methods <- adapters <- engine <- config_file <- api <- __init__ <- frontend
+    <- tools <- integrations <- testbed <- cli."""
     graph = _graph(PACKAGE)
     assert {_room(module) for module in graph} <= set(FLOORS)
     assert not _upward(graph)
+
+
+def test_every_room_has_a_floor_of_its_own():
+    assert len(set(FLOORS.values())) == len(FLOORS)
+
+
+def test_the_negative_control_finds_an_upward_import_between_the_front_rooms(tmp_path):
+    """The arrow that once stood here: ``frontend`` reading ``tools`` while ``tools`` reads ``frontend``."""
+    package = tmp_path / "priortr"
+    for room in ("frontend", "tools"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    planted = "def f():\n    from priortr.tools.configs import SOURCES\n"
+    (package / "frontend" / "loading.py").write_text(planted)
+    (package / "tools" / "configs.py").write_text("SOURCES = {}\n")
+    (package / "tools" / "bench.py").write_text("from priortr.frontend import loading\n")
+    assert _upward(_graph(package)) == {"priortr.frontend.loading -> priortr.tools.configs"}
 
 
 def test_no_import_cycle():

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 from vllm import LLM, SamplingParams
 
-from priortr.integrations.vllm import models
+from priortr.integrations.vllm import models, served_families
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.vllm.checkpoints import MISTRAL3_TOKEN_PIXELS
 from tests.vllm.harness import (
@@ -123,7 +123,7 @@ def _internvl(fixture: str) -> Family:
     return Family(
         fixture,
         "InternVLForConditionalGeneration",
-        models.PruningInternVL,
+        served_families.PruningInternVL,
         {"method": "priortr", "budget": 8, "layer": 1},
         INTERNVL_ONE,
         INTERNVL_TWO,
@@ -158,7 +158,7 @@ FAMILIES = {
     "llava": Family(
         "llava_dir",
         "LlavaForConditionalGeneration",
-        models.PruningLlava,
+        served_families.PruningLlava,
         {"method": "priortr", "budget": 4, "layer": 1},
         LLAVA_PROMPT.format("what is in the image"),  # 9 text tokens
         "<s>USER: <image>\n a <image>\n what is in the image ASSISTANT:",  # 11
@@ -171,30 +171,37 @@ FAMILIES = {
         engine={"enable_mm_embeds": True},
     ),
     "qwen2-vl": _qwen(
-        "qwen_dir", "Qwen2VLForConditionalGeneration", models.PruningQwen2VL, 56, 112, (5, 0.25)
+        "qwen_dir", "Qwen2VLForConditionalGeneration", served_families.PruningQwen2VL, 56, 112, (5, 0.25)
     ),
     "qwen2.5-vl": _qwen(
-        "qwen2_5_dir", "Qwen2_5_VLForConditionalGeneration", models.PruningQwen2_5_VL, 56, 112, (5, 0.25)
+        "qwen2_5_dir",
+        "Qwen2_5_VLForConditionalGeneration",
+        served_families.PruningQwen2_5_VL,
+        56,
+        112,
+        (5, 0.25),
     ),
-    "qwen3-vl": _qwen("qwen3_vl_dir", "Qwen3VLForConditionalGeneration", models.PruningQwen3VL, 64, 128),
+    "qwen3-vl": _qwen(
+        "qwen3_vl_dir", "Qwen3VLForConditionalGeneration", served_families.PruningQwen3VL, 64, 128
+    ),
     "qwen3-vl-moe": _qwen(
-        "qwen3_vl_moe_dir", "Qwen3VLMoeForConditionalGeneration", models.PruningQwen3VLMoe, 64, 128
+        "qwen3_vl_moe_dir", "Qwen3VLMoeForConditionalGeneration", served_families.PruningQwen3VLMoe, 64, 128
     ),
     "internvl": _internvl("internvl_dir"),
     "internvl3.5": _internvl("internvl3_5_dir"),  # a Qwen3 text model: q/k norms in the scored attention
     "llava-onevision": _anyres(
         "onevision_dir",
         "LlavaOnevisionForConditionalGeneration",
-        models.PruningLlavaOnevision,
+        served_families.PruningLlavaOnevision,
         {"image": 2, "video": 0},
     ),
     "llava-next": _anyres(
-        "llava_next_dir", "LlavaNextForConditionalGeneration", models.PruningLlavaNext, {"image": 2}
+        "llava_next_dir", "LlavaNextForConditionalGeneration", served_families.PruningLlavaNext, {"image": 2}
     ),
     "mistral3": Family(
         "mistral3_dir",
         "Mistral3ForConditionalGeneration",
-        models.PruningMistral3,
+        served_families.PruningMistral3,
         {"method": "priortr", "budget": 4, "layer": 1},
         "USER: [IMG] what is in the image ASSISTANT:",  # 7 text tokens
         "USER: [IMG] a [IMG] what is in the image ASSISTANT:",  # 8
@@ -337,16 +344,16 @@ class FamilyContract:
     @pytest.fixture
     def pruned_steps(self, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         """(tokens embedded, rows handed in) of every step that runs a pruned prefill."""
-        stock = models.PruningModel._pruned_forward
+        stock = models.run_step
         seen: list[tuple[int, int]] = []
 
-        def recording(model: Any, step: Any, positions: Any, inputs_embeds: Any) -> Any:
+        def recording(model: Any, step: Any, positions: Any, inputs_embeds: Any, injected: Any) -> Any:
             seen.append((len(step.input_ids), inputs_embeds.shape[0]))
-            out = stock(model, step, positions, inputs_embeds)
+            out = stock(model, step, positions, inputs_embeds, injected)
             assert out.shape[0] == inputs_embeds.shape[0]  # the hidden states keep the padded length
             return out
 
-        monkeypatch.setattr(models.PruningModel, "_pruned_forward", recording)
+        monkeypatch.setattr(models, "run_step", recording)
         return seen
 
     def test_one_step_of_images_text_budgets_and_pruning_off(self, llm, row, path):

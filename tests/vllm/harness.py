@@ -11,7 +11,7 @@ import torch
 from vllm import SamplingParams
 
 from priortr.engine import front_door
-from priortr.integrations.vllm import models, positions
+from priortr.integrations.vllm import models, positions, step
 from tests.vllm.reference import vllm_request
 
 Name = TypeVar("Name", bound=Hashable)
@@ -65,7 +65,7 @@ def shift_decode_offset(monkeypatch: Any) -> None:
 
 def skip_kv_rewrite(monkeypatch: Any) -> None:
     """Fault: the paged cache of layers 0..L holds zeros where the kept tokens' keys and values belong."""
-    original = models.prefill_prompt
+    original = step.prefill_prompt
 
     def without_rewrite(*args: Any, **kwargs: Any) -> Any:
         kept = original(*args, **kwargs)
@@ -77,7 +77,7 @@ def skip_kv_rewrite(monkeypatch: Any) -> None:
             positions=kept.positions,
         )
 
-    monkeypatch.setattr(models, "prefill_prompt", without_rewrite)
+    monkeypatch.setattr(step, "prefill_prompt", without_rewrite)
 
 
 def split_run_budget(monkeypatch: Any, sizes: Sequence[int], shares: Sequence[int]) -> None:

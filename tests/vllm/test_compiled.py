@@ -19,7 +19,7 @@ from vllm import LLM, SamplingParams
 from vllm.config.compilation import CompilationMode
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 
-from priortr.integrations.vllm import models
+from priortr.integrations.vllm import models, served_families
 from tests.vllm.harness import run_arrivals
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image, vllm_request
 
@@ -65,14 +65,14 @@ def test_the_language_model_is_compiled(llm):
         return type(model), type(text), text.do_not_compile, ready, text.vllm_config.compilation_config.mode
 
     kind, text_kind, skipped, ready, mode = llm.apply_model(compiled)[0]
-    assert (kind, text_kind, skipped, ready) == (models.PruningLlava, LlamaModel, False, True)
+    assert (kind, text_kind, skipped, ready) == (served_families.PruningLlava, LlamaModel, False, True)
     assert mode == CompilationMode.DYNAMO_TRACE_ONCE  # the CPU build's default compilation
 
 
 def test_mixed_stream_is_exact_and_runs_compiled_where_it_can(llm, llava_dir, monkeypatch):
     calls: Counter[str] = Counter()
     compiled_call, layer_forward = LlamaModel.__call__, LlamaDecoderLayer.forward
-    stock_forward, pruned_forward = models.PruningModel.forward, models.PruningModel._pruned_forward
+    stock_forward, pruned_forward = models.PruningModel.forward, models.run_step
 
     def count_compiled(self, *args, **kwargs):
         calls["compiled"] += 1
@@ -87,14 +87,14 @@ def test_mixed_stream_is_exact_and_runs_compiled_where_it_can(llm, llava_dir, mo
         calls["step"] += 1
         return stock_forward(self, *args, **kwargs)
 
-    def count_pruned(self, *args, **kwargs):
+    def count_pruned(*args, **kwargs):
         calls["pruned step"] += 1
-        return pruned_forward(self, *args, **kwargs)
+        return pruned_forward(*args, **kwargs)
 
     monkeypatch.setattr(LlamaModel, "__call__", count_compiled)
     monkeypatch.setattr(LlamaDecoderLayer, "forward", count_layer)
     monkeypatch.setattr(models.PruningModel, "forward", count_step)
-    monkeypatch.setattr(models.PruningModel, "_pruned_forward", count_pruned)
+    monkeypatch.setattr(models, "run_step", count_pruned)
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from vllm.multimodal.inputs import PlaceholderRange
 
-from priortr.integrations.vllm.request_layout import embedded_tokens, shrink_prompt
+from priortr.integrations.vllm.request_records import embedded_tokens, shrink_prompt
 from tests.vllm.family_contract import INTERNVL_ONE, INTERNVL_TWO, FamilyContract, answers, expected
 from tests.vllm.harness import generate
 from tests.vllm.reference import image

@@ -21,7 +21,7 @@ from vllm.model_executor.models.llava import LlavaForConditionalGeneration
 from vllm.plugins import load_general_plugins
 
 import priortr.integrations.vllm as plugin
-from priortr.integrations.vllm import registration
+from priortr.integrations.vllm import architectures, registration, served_families
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 
 
@@ -53,7 +53,7 @@ def test_vllm_extra_is_the_supported_range():
     assert Requirement(extra).specifier == plugin.SUPPORTED_VLLM
 
 
-ARCHITECTURES = [family.architecture for family in registration.FAMILIES] + list(registration.UNSERVED)
+ARCHITECTURES = [family.architecture for family in served_families.FAMILIES] + list(architectures.UNSERVED)
 """Every architecture the plug-in registers a config hook for."""
 
 
@@ -189,7 +189,7 @@ def test_guarded_architectures_are_the_registered_ones():
     """The guard's list of architectures (kept free of vLLM imports) is registration's."""
     from priortr.integrations.vllm.architectures import SERVED
 
-    assert list(SERVED) == [family.architecture for family in registration.FAMILIES]
+    assert list(SERVED) == [family.architecture for family in served_families.FAMILIES]
 
 
 def test_model_without_settings_is_vllms_own_class(llava_dir):

@@ -91,17 +91,17 @@ def step_peaks(
     layers, evidence; a pruned one identified by its pruned forward, an unpruned one, ``budget``
     ``{"enabled": False}``, by its step's token count), and the request's output; ``held`` bytes more
     are allocated inside the pruned forward (the negative control)."""
-    stock = models.PruningModel._pruned_forward
+    stock = models.run_step
     ran: list[bool] = []
 
-    def recorded(model, step, positions, inputs_embeds):
+    def recorded(*args, **kwargs):
         ran.append(True)
         extra = torch.empty(held, dtype=torch.uint8)
-        out = stock(model, step, positions, inputs_embeds)
+        out = stock(*args, **kwargs)
         del extra
         return out
 
-    monkeypatch.setattr(models.PruningModel, "_pruned_forward", recorded)
+    monkeypatch.setattr(models, "run_step", recorded)
     worker_runner = runner(llm)
     execute = worker_runner.execute_model
     spans: list[str] = []

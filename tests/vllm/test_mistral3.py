@@ -19,13 +19,9 @@ from vllm import LLM
 from vllm.multimodal.inputs import PlaceholderRange
 
 from priortr.integrations.vllm.decoder import check_options
-from priortr.integrations.vllm.positions import (
-    LINEAR_ROPE_ROW_BREAKS,
-    ImageSlots,
-    linear_positions,
-    request_positions,
-)
-from priortr.integrations.vllm.request_layout import embedded_tokens, shrink_prompt
+from priortr.integrations.vllm.positions import ImageSlots, linear_positions, request_positions
+from priortr.integrations.vllm.request_records import embedded_tokens, shrink_prompt
+from priortr.integrations.vllm.served_families import MISTRAL3_LAYOUT
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.vllm import checkpoints
 from tests.vllm.family_contract import FAMILIES, FamilyContract
@@ -65,7 +61,7 @@ def test_positions_put_the_row_breaks_back_between_the_rows():
     """Hand-computed: the pruned prompt ``t I I B E t`` of a 2 x 2 image keeping 2 is the full prompt
     ``t I I B I I E t`` (positions 0..7): the row break keeps position 3, [IMG_END] 6, the last token 7;
     the slots hold the record (prompt length 6, grid 2 x 2) and decoding continues at 8 = 6 + 2."""
-    breaks = LINEAR_ROPE_ROW_BREAKS.breaks
+    breaks = MISTRAL3_LAYOUT.breaks
     assert breaks((2, 2)) == (2,) and breaks((3, 4)) == (4, 8) and breaks((1, 5)) == ()
     short = [5, IMG, IMG, BREAK, END, 6]
     slots = ImageSlots(offset=1, kept_count=2, tokens=4, grid=(2, 2), breaks=breaks((2, 2)))

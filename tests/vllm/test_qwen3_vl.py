@@ -18,7 +18,8 @@ import pytest
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from priortr.integrations.vllm import models
+from priortr.integrations.vllm import served_families
+from priortr.integrations.vllm import step as pruned_step
 from tests.vllm.family_contract import OFF, FamilyContract, answers, expected, step_cases
 from tests.vllm.harness import ANSWER_TOKENS, generate
 from tests.vllm.reference import hf_tokens
@@ -30,23 +31,23 @@ class DeepStackChecks(FamilyContract):
     def test_pruned_prompt_without_deepstack_is_caught(self, llm, row, path, monkeypatch):
         """Negative control: the pruned prompt's layers 0..L run without its DeepStack features (its
         encoder rows cut to the embeddings); the answer must differ from apply's."""
-        original = models.prefill_prompt
+        original = pruned_step.prefill_prompt
 
-        def without_deepstack(prompt, inputs_embeds, *args, **kwargs):
+        def without_deepstack(model, prompt, inputs_embeds):
             width = inputs_embeds.shape[1]
             images = [(column, rows[:, :width]) for column, rows in prompt.images]
-            return original(dataclasses.replace(prompt, images=images), inputs_embeds, *args, **kwargs)
+            return original(model, dataclasses.replace(prompt, images=images), inputs_embeds)
 
-        monkeypatch.setattr(models, "prefill_prompt", without_deepstack)
+        monkeypatch.setattr(pruned_step, "prefill_prompt", without_deepstack)
         case = step_cases(row)[0]
         assert answers(generate(llm, [case])) != [expected(row, path, case)]
 
     def test_unpruned_rows_without_deepstack_are_caught(self, llm, row, path, monkeypatch):
         """Negative control: in a step with a pruned prompt, the other rows (an unpruned image) get no
         DeepStack features; that request's answer must differ from stock HF's."""
-        original = models.PruningQwen3VL._step_injections  # still run: it clears vLLM's buffer
+        original = served_families.PruningQwen3VL._step_injections  # still run: it clears vLLM's buffer
         monkeypatch.setattr(
-            models.PruningQwen3VL, "_step_injections", lambda self, rows: original(self, rows)[:0]
+            served_families.PruningQwen3VL, "_step_injections", lambda self, rows: original(self, rows)[:0]
         )
         pruned, unpruned = step_cases(row)[0], step_cases(row)[3]
         assert unpruned[2] == OFF
@@ -78,8 +79,8 @@ class TestQwen3VLMoe(DeepStackChecks):
 
         monkeypatch.setattr(Qwen3MoeSparseMoeBlock, "forward", recording)
         if not hidden:
-            monkeypatch.setattr(models, "unpadded_rows", contextlib.nullcontext)
+            monkeypatch.setattr(pruned_step, "unpadded_rows", contextlib.nullcontext)
         generate(llm, [step_cases(row)[0]], tokens=1)
         whole = (9 + 16, None) if hidden else (9 + 16, 9 + 6)
-        step = (9 + 6, 9 + 6)
-        assert seen == [whole, step, step]  # layer 1 on the prompt, layers 2-3 on the step
+        rows = (9 + 6, 9 + 6)
+        assert seen == [whole, rows, rows]  # layer 1 on the prompt, layers 2-3 on the step

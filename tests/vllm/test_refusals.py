@@ -12,6 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 from vllm.plugins import load_general_plugins
 
+from priortr.integrations.vllm.architectures import UNSERVED
 from priortr.integrations.vllm.config_hooks import (
     BREAKABLE_GRAPHS,
     PruningConfigHook,
@@ -20,8 +21,8 @@ from priortr.integrations.vllm.config_hooks import (
     unserved_hook,
 )
 from priortr.integrations.vllm.decoder import check_backend
-from priortr.integrations.vllm.registration import FAMILIES, UNSERVED
 from priortr.integrations.vllm.scheduler import PruningScheduler
+from priortr.integrations.vllm.served_families import FAMILIES
 from priortr.integrations.vllm.settings import (
     STEP_LIMIT_KEY,
     RequestPolicy,

@@ -146,7 +146,7 @@ def test_one_uuid_for_two_grids_of_one_size(qwen, qwen_dir):
 def test_identity_without_the_grid_is_caught(qwen, qwen_dir, monkeypatch):
     """Negative control: with the image's fields left out of its identity, the second image of the same
     N is served the first one's encoder rows and its answer differs from priortr.apply's."""
-    monkeypatch.setattr(processor, "encoder_layout", lambda item: "")
+    monkeypatch.setattr(processor, "encoder_shapes", lambda item: "")
     first, second = uuid_answers(qwen, GRIDS, ["no grid", "no grid"])
     assert first == hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[0]], QWEN, ANSWER_TOKENS)
     assert second != hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[1]], QWEN, ANSWER_TOKENS)

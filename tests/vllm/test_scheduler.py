@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache
 from priortr.integrations.vllm.processor import check_step_limit
-from priortr.integrations.vllm.request_layout import ImageRecord
+from priortr.integrations.vllm.request_records import ImageRecord
 from priortr.integrations.vllm.scheduler import PruningAsyncScheduler, PruningScheduler, pruned
 
 PROMPT = 67

@@ -23,9 +23,9 @@ class Mistral3Adapter(FamilyAdapter):
     name = "mistral3"
     model_types = ("mistral3",)
     separator_token = "[IMG_END]"
-    no_grid = "its [IMG] rows form a grid (image_grid), which this adapter does not hand to the engine yet"
+    no_grid = "its [IMG] rows form a grid (pixel_grid), which this adapter does not hand to the engine yet"
 
-    def image_grid(self, config, height: int, width: int) -> tuple[int, int]:
+    def pixel_grid(self, config, height: int, width: int) -> tuple[int, int]:
         """(rows, columns) of the visual tokens of an image the processor resized to ``height`` x
         ``width`` pixels, a whole number of tokens of ``patch_size * spatial_merge_size`` pixels on each
         side. The one rule for the tools' score maps and the vLLM plug-in's positions."""

@@ -85,7 +85,7 @@ def model_source(name: str, option: str = "--model", named: Sequence[str] = ()) 
     missing one is refused at once instead of after the hub client's retries. ``named``: the model
     names the caller resolves itself (the CLI's ``testbed``), offered in the messages.
     """
-    from priortr.tools.configs import SOURCES
+    from priortr.frontend.configs import SOURCES
 
     choices = ", ".join([*named, "a checkpoint directory"]) + " or a hub id owner/name"
     path = Path(name).expanduser()

@@ -26,9 +26,9 @@ from torch import nn
 import priortr
 from priortr import compat
 from priortr.adapters import adapter_for
+from priortr.frontend.configs import load_config
 from priortr.frontend.timing import Clock, median_seconds
 from priortr.tools import families
-from priortr.tools.configs import load_config
 from priortr.tools.flops import kv_cache_bytes, scheduled_prefill_flops
 from priortr.tools.journal import Journal
 from priortr.tools.report import VANILLA

@@ -199,7 +199,7 @@ def _pixtral_grid(adapter: Mistral3Adapter, config, inputs: dict, row: int) -> t
     if sizes is None:
         raise ValueError("the inputs hold no image_sizes, so the image's token grid is unknown")
     height, width = (int(v) for v in sizes[row])
-    return adapter.image_grid(config, height, width)
+    return adapter.pixel_grid(config, height, width)
 
 
 def _pixtral_inputs(

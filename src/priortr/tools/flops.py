@@ -66,11 +66,11 @@ from transformers import PretrainedConfig
 
 from priortr import compat
 from priortr.engine.config import PruningConfig, resolve_budget
+from priortr.frontend.configs import load_config
 from priortr.methods import available_methods, get_method
 from priortr.methods.downsample import pooled_grid
 from priortr.methods.pdrop import pyramid_stages
 from priortr.methods.registry import DEFAULT_LAYER
-from priortr.tools.configs import load_config
 
 TERMS: tuple[str, ...] = ("vit", "projector", "llm_prefill", "decode", "lm_head")
 NOT_COUNTED = {

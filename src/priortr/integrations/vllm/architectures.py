@@ -19,7 +19,7 @@ SERVED = (
     "LlavaNextForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
 )
-"""vLLM's names of the served families, in ``registration.FAMILIES``' order."""
+"""vLLM's names of the served families, in ``served_families.FAMILIES``' order."""
 NOT_YET = "no plug-in class wraps its vLLM model yet"
 UNSERVED = {
     "InternVLChatModel": (

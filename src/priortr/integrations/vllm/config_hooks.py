@@ -29,7 +29,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
 from priortr.integrations.vllm.guard import SettingsGuard
-from priortr.integrations.vllm.positions import MROPE, FamilyLayout
+from priortr.integrations.vllm.positions import FamilyLayout
 from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
 
 logger = logging.getLogger(__name__)
@@ -226,15 +226,15 @@ def compiled_refusals(vllm_config: Any) -> list[str]:
 class PruningConfigHook(VerifyAndUpdateConfig):
     """Refuse what cannot be served exactly; keep vLLM from turning breakable CUDA graphs on after
     the checks (``BREAKABLE_GRAPHS``); serve with the plug-in's scheduler; give a 1-D RoPE model
-    per-request positions. ``layout`` is the family's (``PruningModel.layout``), set per family by
-    ``for_model``, so that the rope kind is read where the family's facts live."""
+    per-request positions. ``layout`` is the family's (``served_families.Family.layout``), set per family by
+    ``for_layout``, so that the rope kind is read where the family's facts live."""
 
-    layout: FamilyLayout = MROPE
+    layout: FamilyLayout
 
     @classmethod
-    def for_model(cls, model: type) -> type:
-        """This hook for the family whose plug-in model class is ``model``: its layout, the model's."""
-        return type(cls.__name__, (cls,), {"layout": model.layout})
+    def for_layout(cls, layout: FamilyLayout) -> type:
+        """This hook for a family that lays images out as ``layout``."""
+        return type(cls.__name__, (cls,), {"layout": layout})
 
     @classmethod
     def verify_and_update_model_config(cls, model_config: Any) -> None:

@@ -195,7 +195,7 @@ def check_options(layer: torch.nn.Module) -> None:
 
 
 def check_backend(attention: torch.nn.Module) -> None:
-    """Refuse, when the model loads, an attention backend whose metadata ``batch_layout`` cannot read."""
+    """Refuse, when the model loads, an attention backend whose metadata ``request_bounds`` cannot read."""
     name = attention.get_attn_backend().get_name()
     if name not in READABLE_BACKENDS:
         raise ValueError(
@@ -205,7 +205,7 @@ def check_backend(attention: torch.nn.Module) -> None:
         )
 
 
-def batch_layout(layer: LayerParts) -> tuple[list[int], list[int]]:
+def request_bounds(layer: LayerParts) -> tuple[list[int], list[int]]:
     """Host copies of this step's request boundaries (query start locations, R + 1 of them) and each
     request's tokens in the cache after the step (sequence lengths), from vLLM's attention metadata:
     the one place the plug-in reads that metadata (``check_backend`` refused the backends without it

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from priortr.integrations.vllm.request_layout import image_record
+from priortr.integrations.vllm.request_records import image_record
 
 
 def uncounted(request: Any, inputs: Any = None) -> int:

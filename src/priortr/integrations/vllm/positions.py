@@ -9,10 +9,10 @@ unpruned positions (1-D RoPE and M-RoPE alike) with nothing keyed outside the re
 
 A placeholder's own position is never used: layers 0..L run on the full prompt, and the kept tokens
 take their original positions after layer L. Its three slots instead carry a record the forward pass
-reads (``request_layout.SlotRecord``: length of the short prompt, image grid height, image grid width). The
+reads (``request_records.SlotRecord``: length of the short prompt, image grid height, image grid width). The
 prompt length tells a re-prefill after preemption (prompt + generated tokens in one step) where the
 prompt ends, so that the scores use the prompt's rows only, as they did the first time. It is the
-length the processor recorded with the request's images (``request_layout.recorded_lengths``), never
+length the processor recorded with the request's images (``request_records.recorded_lengths``), never
 the number of tokens handed in: vLLM's V1 runner asks once, with the prompt, but Model Runner V2 asks
 again after a preemption, with the prompt and the generated tokens.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
+from priortr.integrations.vllm.request_records import SlotRecord, break_rows
 
 FullPositions = Callable[[list[int], Sequence[int]], tuple[torch.Tensor, int]]
 """(prompt with N placeholders per image, each image's first placeholder) -> ([3, S] positions, delta)."""
@@ -38,7 +38,7 @@ class ImageSlots:
     (K), how many tokens the image has (N), its grid of merged patches (height, width), and the text
     tokens inside its layout: for each, how many of the image's N tokens come before it (Mistral 3's
     row breaks, ``FamilyLayout.breaks``; none for the other families). A pruned request's prompt has
-    those text tokens right after the K slots (``request_layout.shrink_prompt``)."""
+    those text tokens right after the K slots (``request_records.shrink_prompt``)."""
 
     offset: int
     kept_count: int
@@ -53,10 +53,15 @@ class FamilyLayout:
     request reads: ``linear_rope``, the family's layers take 1-D RoPE positions (0, 1, 2, ...), given
     vLLM's per-request M-RoPE bookkeeping on all three channels, else M-RoPE's (t, h, w); ``row_breaks``,
     the family writes a text token after every row of an image's grid but the last (Mistral 3:
-    ``[IMG_BREAK]``; ``[IMG_END]`` after the last row is the text after the image)."""
+    ``[IMG_BREAK]``; ``[IMG_END]`` after the last row is the text after the image); ``adjacent_images``,
+    the family's images may stand back to back (no text between them), which ``priortr.apply`` prunes as
+    one run under one budget and so does the plug-in (``processor.image_counts``): the 1-D RoPE families
+    whose placeholder range is the image's tokens alone (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) serve
+    them, the others refuse them (``processor.ADJACENT_REFUSED``)."""
 
     linear_rope: bool
     row_breaks: bool = False
+    adjacent_images: bool = False
 
     def __post_init__(self) -> None:
         if self.row_breaks and not self.linear_rope:
@@ -84,14 +89,6 @@ class FamilyLayout:
         """What the family's layers take of vLLM's positions ([3, T] with M-RoPE bookkeeping): channel 0
         for 1-D RoPE, all three for M-RoPE."""
         return positions[0] if self.linear_rope and positions.ndim == 2 else positions
-
-
-MROPE = FamilyLayout(linear_rope=False)
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE, an image one grid of visual tokens."""
-LINEAR_ROPE = FamilyLayout(linear_rope=True)
-"""LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL: 1-D RoPE, an image one run of visual tokens."""
-LINEAR_ROPE_ROW_BREAKS = FamilyLayout(linear_rope=True, row_breaks=True)
-"""Mistral 3 (Pixtral): 1-D RoPE, an image's rows of visual tokens with a row break between them."""
 
 
 def request_positions(

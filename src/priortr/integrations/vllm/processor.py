@@ -8,9 +8,9 @@ cannot score, e.g. an image with no instruction after it), so the paged cache of
 text + K tokens per image. The N encoder rows still reach the model (``models.py`` packs them), which
 computes layers 0..L on all of them once and keeps K. Tokens of an image's placeholder range that take
 no embedding (vLLM's ``is_embed`` mask: InternVL's ``<img>`` and ``</img>``, Mistral 3's row breaks and
-end marker) are text to the library and stay in the prompt (``request_layout.shrink_prompt``). What the
+end marker) are text to the library and stay in the prompt (``request_records.shrink_prompt``). What the
 request carries to the scheduler and the model (the short prompt, a record on each image) is written by
-``request_layout.py``, beside where it is read.
+``request_records.py``, beside where it is read.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from vllm.multimodal.parse import EmbeddingItems, MultiModalDataItems
 from priortr.adapters import adapter_for_type
 from priortr.engine.config import PruningConfig
 from priortr.engine.front_door import kept_runs
-from priortr.integrations.vllm.request_layout import ImageRecord, embedded_tokens, shrink_prompt, with_record
+from priortr.integrations.vllm.positions import FamilyLayout
+from priortr.integrations.vllm.request_records import ImageRecord, embedded_tokens, shrink_prompt, with_record
 from priortr.integrations.vllm.settings import (
     SETTINGS_KEY,
     STEP_LIMIT_KEY,
@@ -42,11 +43,9 @@ from priortr.integrations.vllm.settings import (
 class PruningProcessor:
     """Mixin for a vLLM multimodal processor: a pruned request's images get K placeholders each."""
 
-    adjacent_images = False
-    """True for a family whose images may stand back to back (no text between them): ``priortr.apply``
-    prunes them as one run under one budget, and so does the plug-in (``image_counts``). The 1-D RoPE
-    families whose placeholder range is the image's tokens alone (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision)
-    serve them; the others refuse them (``ADJACENT_REFUSED``)."""
+    layout: FamilyLayout
+    """How the family lays out an image (``positions.FamilyLayout``; its ``adjacent_images`` is read
+    here), declared by each family's block (``served_families.py``)."""
 
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
         """The Hugging Face processor never sees the ``priortr`` request setting (InternVL's vLLM
@@ -72,7 +71,7 @@ class PruningProcessor:
         a pruned request is laid out first without vLLM's processor cache (which must see only what
         reaches the engine), and then processed again with each image identified as (image, N, the fields
         that fix its encoder output's shape, K, prompt length, unpruned length): the image carries both
-        lengths, its K and N (``request_layout.ImageRecord``). N and those fields are in the identity
+        lengths, its K and N (``request_records.ImageRecord``). N and those fields are in the identity
         because a client's image ``uuid`` stands for the pixels and nothing else: two images of different
         sizes sent under one uuid, at the same K and prompt length, must not share an encoder output
         (vLLM's own reuse check compares the placeholder counts, K = K, and would let the second request
@@ -92,7 +91,7 @@ class PruningProcessor:
         laid_out = super().apply(replace(inputs, cache=None), timing_ctx)  # N placeholders per image
         images = list(laid_out["mm_placeholders"].get("image", []))
         tokens = [embedded_tokens(span)[1] for span in images]  # N per image
-        counts = image_counts(hf_config, config, laid_out, self.adjacent_images)
+        counts = image_counts(hf_config, config, laid_out, self.layout.adjacent_images)
         if counts == tokens:
             return super().apply(inputs, timing_ctx)
         unpruned = len(laid_out["prompt_token_ids"])
@@ -101,7 +100,7 @@ class PruningProcessor:
         check_step_limit(length, getattr(hf_config, STEP_LIMIT_KEY, None))
         check_whole_prompt_limit(unpruned, getattr(hf_config, WHOLE_LIMIT_KEY, None))
         identities = [
-            f"{image_hash}:priortr-{n}-tokens-{encoder_layout(item)}-kept-{kept}-prompt-{length}-of-{unpruned}"
+            f"{image_hash}:priortr-{n}-tokens-{encoder_shapes(item)}-kept-{kept}-prompt-{length}-of-{unpruned}"
             for image_hash, n, item, kept in zip(
                 laid_out["mm_hashes"]["image"], tokens, laid_out["mm_kwargs"]["image"], counts, strict=True
             )
@@ -135,7 +134,7 @@ def check_pixels(items: MultiModalDataItems) -> None:
         )
 
 
-def encoder_layout(item: MultiModalKwargsItem) -> str:
+def encoder_shapes(item: MultiModalKwargsItem) -> str:
     """What of an image's processed item, besides its pixels' values, fixes its encoder output's N and
     grid: every tensor field's shape, and the values of its integer fields (Qwen's ``image_grid_thw``,
     AnyRes ``image_sizes``, InternVL's ``image_num_patches``; Mistral 3's grid is its pixels' shape)."""
@@ -197,7 +196,7 @@ ADJACENT_REFUSED = (
     "this family's chat template never writes two images back to back, and the plug-in has not checked "
     "its positions for them against priortr.apply"
 )
-"""Why a family without ``PruningProcessor.adjacent_images`` refuses a pruned prompt with adjacent
+"""Why a family without ``FamilyLayout.adjacent_images`` refuses a pruned prompt with adjacent
 images (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose templates wrap every image in ``<|vision_start|>`` and
 ``<|vision_end|>``; InternVL's and Mistral 3's placeholder ranges end in text, so theirs never meet)."""
 
@@ -205,7 +204,7 @@ images (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose templates wrap every image in ``
 def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent: bool) -> list[int]:
     """Tokens each image of a processed request (``laid_out``: N placeholders per image) keeps under
     ``config``, in vLLM's order of its images; refuses what the plug-in cannot prune. ``adjacent``:
-    the family serves images with no text between them (``PruningProcessor.adjacent_images``)."""
+    the family serves images with no text between them (``FamilyLayout.adjacent_images``)."""
     placeholders = laid_out["mm_placeholders"]
     images = list(placeholders.get("image", []))
     if not images:
@@ -252,7 +251,7 @@ def split_run(kept: int, tokens: list[int]) -> list[int]:
     """Placeholders for each image of a run of adjacent images with ``tokens[i]`` tokens each, whose
     run keeps ``kept`` of them: every image 1 to its N (vLLM needs a placeholder to place an image),
     filled in order. Which image's slots hold which kept token does not matter: after layer L the slots
-    hold the run's kept tokens in prompt order at their original positions (``prefill_step.py``)."""
+    hold the run's kept tokens in prompt order at their original positions (``step.py``)."""
     if kept < len(tokens):
         raise ValueError(
             f"priortr keeps {kept} tokens of a run of {len(tokens)} images with no text between them, and "

@@ -1,10 +1,10 @@
 """The scheduler a pruning model is served with: vLLM's own, holding a pruned prompt to one step.
 
 A pruned request's prefill runs layers 0..L on its whole prompt (text + N tokens per image) outside
-the paged cache, from position 0 (``prefill_step.py``): every token after an image attends, at
+the paged cache, from position 0 (``step.py``): every token after an image attends, at
 layers 0..L, to the image's N tokens, which no cache holds, and which tokens survive depends on the
 prompt's last text rows. Neither a prefix-cache hit nor a chunk boundary inside the prompt can be
-served exactly, so a pruned request (its images carry a record, ``request_layout.ImageRecord``):
+served exactly, so a pruned request (its images carry a record, ``request_records.ImageRecord``):
 
 * never reads the prefix cache: the scheduler sets vLLM's own per-request bound when the request
   arrives, so it holds for every admission, a re-prefill after preemption included, and vLLM's hit
@@ -39,12 +39,13 @@ Text-only and unpruned requests are scheduled, cached and chunked as by vLLM.
 Two charges follow what a pruned prompt costs, not its K placeholders per image:
 
 * the step's encoder budget is charged N per pruned image the step encodes (the image's embeddings,
-  which its processor records, ``request_layout.ImageRecord.encoded``), where vLLM charges the placeholders' K
-  (``vllm/v1/core/sched/scheduler.py:2076,2198-2199`` in vLLM 0.33): a prompt whose images' N do not
-  fit what the step has left waits for a later step, unless it is the step's first encoder work (the
-  whole budget left), so that a prompt whose images exceed the budget is still served, alone;
+  which its processor records, ``request_records.ImageRecord.encoded``), where vLLM charges the
+  placeholders' K (``vllm/v1/core/sched/scheduler.py:2076,2198-2199`` in vLLM 0.33): a prompt whose
+  images' N do not fit what the step has left waits for a later step, unless it is the step's first
+  encoder work (the whole budget left), so that a prompt whose images exceed the budget is
+  still served, alone;
 * layers 0..L run on the whole prompt S = P + the images' N - K outside the step's token budget
-  (``prefill_step.py``): the pruned prompts that start in one step hold at most
+  (``step.py``): the pruned prompts that start in one step hold at most
   ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``, the step the engine's memory profile
   ran) of S together; the processor refuses a prompt whose S alone is more
   (``processor.check_whole_prompt_limit``).
@@ -63,7 +64,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
-from priortr.integrations.vllm.request_layout import recorded_lengths
+from priortr.integrations.vllm.request_records import recorded_lengths
 from priortr.integrations.vllm.settings import position_limit
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def keep_off_prefix_cache(request: Any) -> None:
 
 def pruned(request: Any) -> bool:
     """Whether a vLLM request prunes: its images carry the record the processor writes for pruned
-    requests only (``request_layout.ImageRecord``)."""
+    requests only (``request_records.ImageRecord``)."""
     return recorded_lengths(request.mm_features) is not None
 
 

@@ -6,7 +6,7 @@ only through what vLLM itself hands on, so a pruned request's plan travels in th
 * **the short prompt**: each image's placeholder range holds its K slots, then the range's text tokens
   (Mistral 3's row breaks, its end marker): written by ``shrink_prompt`` in the processor, read back by
   ``break_rows`` where positions are given (``positions.request_positions``) and where the step is
-  planned (``prefill_step.plan_step``);
+  planned (``step.plan_step``);
 * **the image record** (``ImageRecord``): four CPU-kept fields on each of its image items, written by
   ``with_record`` in the processor and read by ``image_record`` (``recorded_lengths`` for a request's
   two lengths) in the scheduler, its encoder cache and the model's positions, and taken off the
@@ -14,7 +14,7 @@ only through what vLLM itself hands on, so a pruned request's plan travels in th
 * **the slot record** (``SlotRecord``): (prompt length, grid height, grid width) in the three M-RoPE
   channels of every one of an image's K slots, whose own positions are never used (layers 0..L run
   on the full prompt): encoded by ``positions.request_positions`` when the request arrives, decoded by
-  the step that prefills it (``prefill_step.plan_step``).
+  the step that prefills it (``step.plan_step``).
 
 A record that is missing a field, disagrees with itself or with the request is refused with an error:
 it means another plug-in or a cache changed what vLLM hands on, and the plan would be wrong.
@@ -198,7 +198,7 @@ def shrink_prompt(prompt: list[int], ranges: list[PlaceholderRange], counts: lis
     slots in one run, then the range's other text tokens in their order (Mistral 3's row breaks, then
     its end marker), its ``is_embed`` mask alike: every text token stays, and the slots are where the
     model writes the tokens that survive layer L, which are the image's kept tokens and its row breaks
-    in prompt order at their original positions (``prefill_step.py``). A range whose embedded tokens are
+    in prompt order at their original positions (``step.py``). A range whose embedded tokens are
     one run (every other family) is that run cut to its first ``counts[i]`` tokens."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
     out: list[int] = []

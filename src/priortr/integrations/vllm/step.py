@@ -1,5 +1,7 @@
-"""A pruned prefill inside one vLLM step: plan it on the host, run layers 0..L on each pruned prompt
-whole, score with the library's method, keep K tokens per image.
+"""The pruned step: a vLLM step holding pruned prompts, from what ``embed_input_ids`` saw to the hidden
+states the model returns. Planned on the host once, then layers 0..L on each pruned prompt whole, the
+library's method's choice at layer L, and the step's batch through every layer with the kept keys and
+values. ``models.py`` holds vLLM's hooks; they hand a step here once (``run_step``).
 
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
 K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
@@ -9,8 +11,18 @@ prompt with the library's own constructor and runs the stage core ``priortr.appl
 evidence, selection, checks and cut). What survives is the
 prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
-(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_layout.shrink_prompt``) and
+(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_records.shrink_prompt``) and
 put back between the image's rows in the full prompt, where the library scores and keeps it as text.
+
+The batch (``run_step``): layers 0..L run on the rows vLLM computes (everything but the pruned
+prompts) while the pruned prompts' kept keys/values enter the paged cache through vLLM's attention
+layers, then layers L+1.. run on every row, the pruned prompts' rows holding their kept tokens at their
+original positions. A step's model inputs may be longer than the tokens it embedded: vLLM's GPU runners
+embed the scheduled ids, then hand the model the buffer padded to a CUDA-graph size (Model Runner V2:
+``vllm/v1/worker/gpu/model_states/default.py:105,130``, vLLM 0.34; the V1 runner of 0.32/0.33:
+``vllm/v1/worker/gpu_model_runner.py:3320-3331``, 0.33). The padding rows follow every request's rows;
+they run with the rows vLLM computes, as rows of no request (vLLM's attention computes and caches the
+step's ``num_actual_tokens`` only), and the hidden states returned keep the padded length.
 
 An image's encoder rows are [N, D * (1 + J)]: its N embeddings, then (Qwen3-VL's DeepStack, J > 0) the
 features the language model adds to the outputs of decoder layers 0..J-1 at the image's tokens, as
@@ -22,15 +34,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import torch
 
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig
 from priortr.engine.front_door import ScoredLayerTensors, kept_columns
-from priortr.integrations.vllm.decoder import LayerParts
+from priortr.integrations.vllm.decoder import LayerParts, TextModel, request_bounds, unpadded_rows
 from priortr.integrations.vllm.positions import FamilyLayout
-from priortr.integrations.vllm.request_layout import SlotRecord, break_rows
+from priortr.integrations.vllm.request_records import SlotRecord, break_rows
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What every pruned step of one served model reads, made once when the model loads: its pruning
+    settings, the library's adapter for its family, its Hugging Face config, its family's layout, the
+    image placeholder's token id and its language model split at the scored layer."""
+
+    config: PruningConfig
+    adapter: FamilyAdapter
+    hf_config: Any
+    layout: FamilyLayout
+    image_token: int
+    text: TextModel
+
+    @property
+    def scored(self) -> list[LayerParts]:
+        """Layers 0..L, taken apart."""
+        return self.text.scored
 
 
 @dataclass(frozen=True)
@@ -90,17 +122,34 @@ class KeptPrompt:
     positions: torch.Tensor
 
 
+@torch.no_grad()
+def run_step(
+    model: ServedModel,
+    step: StepInputs,
+    positions: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    injected: list[torch.Tensor],
+) -> torch.Tensor:
+    """The hidden states [T, D] of a step holding pruned prompts: see the module docstring. ``positions``
+    are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output at the step's
+    rows (Qwen3-VL's DeepStack features; empty otherwise)."""
+    starts, seq_lens = request_bounds(model.scored[0])
+    prompts = plan_step(model, step, positions.tolist(), starts, seq_lens)
+    with unpadded_rows():
+        kept = [prefill_prompt(model, prompt, inputs_embeds) for prompt in prompts]
+    return _run_batch(model, prompts, kept, positions, inputs_embeds, injected)
+
+
 def plan_step(
+    model: ServedModel,
     step: StepInputs,
     positions: list[list[int]],
     starts: list[int],
     seq_lens: list[int],
-    image_token: int,
-    layout: FamilyLayout,
 ) -> list[PrunedPrompt]:
-    """The step's pruned prompts from host copies of its positions [3][T] and request layout, each
-    read back from its images' slot records (``request_layout.SlotRecord``), laid out as the family's
-    ``layout`` lays an image out."""
+    """The step's pruned prompts from host copies of its positions [3][T] and its requests' bounds (query
+    starts, sequence lengths), each read back from its images' slot records
+    (``request_records.SlotRecord``), laid out as the family's layout lays an image out."""
     prompts = []
     images = iter(step.images)
     pending = next(images, None)
@@ -117,22 +166,21 @@ def plan_step(
                 "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
                 "the plug-in's scheduler (PruningScheduler) never does; is another --scheduler-cls set?"
             )
-        prompt = _plan_prompt(step, positions, start, length, own, image_token, layout)
+        prompt = _plan_prompt(model, step, positions, range(start, start + length), own)
         prompts.append(prompt)
     return prompts
 
 
 def _plan_prompt(
+    model: ServedModel,
     step: StepInputs,
     positions: list[list[int]],
-    start: int,
-    length: int,
+    scheduled: range,
     images: list[StepImage],
-    image_token: int,
-    layout: FamilyLayout,
 ) -> PrunedPrompt:
-    """One pruned request's full prompt of ``length`` tokens, read back from its scheduled rows and
-    their records; an image's row breaks (``layout.breaks``) are the rows after its K slots.
+    """One pruned request's full prompt, read back from its ``scheduled`` rows of the batch (its prompt's
+    P rows) and their records; an image's row breaks (``FamilyLayout.breaks``) are the rows after its K
+    slots.
 
     Images with no text between them (their slots back to back) are one run of visual tokens, which
     ``priortr.apply`` ranks as one item under one budget: ``counts`` holds one count per run, the sum of
@@ -143,6 +191,7 @@ def _plan_prompt(
     text_rows: list[int] = []
     placed: list[tuple[torch.Tensor, torch.Tensor]] = []
     counts: list[int] = []
+    start, length, layout = scheduled.start, len(scheduled), model.layout
     row = start
     for image in images:
         adjacent = bool(placed) and image.row == row  # right after the previous image's slots
@@ -168,7 +217,7 @@ def _plan_prompt(
         rows = break_rows(image.row, image.kept_count, len(breaks))
         first = len(token_ids)
         columns_of_breaks = [first + before + index for index, before in enumerate(breaks)]
-        token_ids += [image_token] * (n_tokens + len(breaks))
+        token_ids += [model.image_token] * (n_tokens + len(breaks))
         for column, r in zip(columns_of_breaks, rows, strict=True):
             token_ids[column] = step.input_ids[r]
             text_columns.append(column)
@@ -201,15 +250,7 @@ def _plan_prompt(
 
 
 @torch.no_grad()
-def prefill_prompt(
-    prompt: PrunedPrompt,
-    inputs_embeds: torch.Tensor,
-    layers: list[LayerParts],
-    config: PruningConfig,
-    adapter: FamilyAdapter,
-    hf_config: object,
-    layout: FamilyLayout,
-) -> KeptPrompt:
+def prefill_prompt(model: ServedModel, prompt: PrunedPrompt, inputs_embeds: torch.Tensor) -> KeptPrompt:
     """Layers 0..L on the whole prompt, the method's choice at layer L, and the surviving tokens."""
     device = inputs_embeds.device
     length, width = len(prompt.token_ids), inputs_embeds.shape[1]
@@ -224,10 +265,10 @@ def prefill_prompt(
         if levels:
             injected.index_copy_(1, index, rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1))
     positions = prompt.positions.to(device)  # [3, S]
-    rope_positions = layout.layer_positions(positions)
+    rope_positions = model.layout.layer_positions(positions)
     residual = None
     keys, values = [], []
-    for index, parts in enumerate(layers):
+    for index, parts in enumerate(model.scored):
         normed, residual = parts.attention_input(hidden, residual)
         q, k, v = parts.project(normed, rope_positions)
         keys.append(k)
@@ -235,9 +276,12 @@ def prefill_prompt(
         hidden, residual = parts.output(parts.causal_attention(q, k, v), residual)
         if index < levels:
             hidden = hidden + injected[index]
-    keep = _survivors(prompt, q, k, hidden + residual, layers[-1], config, adapter, hf_config, len(layers))
+    keep = _survivors(model, prompt, q, k, hidden + residual)
     if keep.shape[0] != prompt.length:
-        raise RuntimeError(f"priortr: kept {keep.shape[0]} tokens for a prompt of {prompt.length} slots")
+        raise RuntimeError(
+            f"priortr: the method kept {keep.shape[0]} tokens (text and visual) of a prompt scheduled on "
+            f"{prompt.length} rows; the processor's plan and the step's choice disagree"
+        )
     return KeptPrompt(
         keys=[k.index_select(0, keep) for k in keys],
         values=[v.index_select(0, keep) for v in values],
@@ -248,28 +292,73 @@ def prefill_prompt(
 
 
 def _survivors(
-    prompt: PrunedPrompt,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    output: torch.Tensor,
-    parts: LayerParts,
-    config: PruningConfig,
-    adapter: FamilyAdapter,
-    hf_config: object,
-    n_scored: int,
+    model: ServedModel, prompt: PrunedPrompt, q: torch.Tensor, k: torch.Tensor, output: torch.Tensor
 ) -> torch.Tensor:
     """The surviving columns [P] of the full prompt (its text and the kept visual tokens, ascending),
-    chosen by ``config``'s method from layer L's queries/keys (after RoPE) and output through the
+    chosen by the model's method from layer L's queries/keys (after RoPE) and output through the
     engine's front door (``priortr.engine.front_door.kept_columns``: the stage core ``priortr.apply``
     runs)."""
-    if config.layer != n_scored - 1:
-        raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
+    parts = model.scored[-1]
+    if model.config.layer != len(model.scored) - 1:
+        raise RuntimeError(
+            f"priortr: the model's language model was split after layer {len(model.scored) - 1}, and its "
+            f"settings score layer {model.config.layer}"
+        )
     scored = ScoredLayerTensors(
         queries=parts.heads_view(q, parts.heads),  # [1, h, S, d]
         keys=parts.heads_view(k, parts.kv_heads),
         output=output[None],
         scaling=parts.scaling,
-        heads=hf_config.get_text_config().num_attention_heads,  # H, all ranks' heads: a chunk's size
+        heads=model.hf_config.get_text_config().num_attention_heads,  # H, all ranks' heads: a chunk's size
         gather=parts.every_head,  # each chunk's [1, h, r, S] rows joined with every rank's: [1, H, r, S]
     )
-    return kept_columns(adapter, hf_config, config, prompt.token_ids, prompt.counts, scored)
+    return kept_columns(model.adapter, model.hf_config, model.config, prompt.token_ids, prompt.counts, scored)
+
+
+def _run_batch(
+    model: ServedModel,
+    prompts: list[PrunedPrompt],
+    kept: list[KeptPrompt],
+    positions: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    injected: list[torch.Tensor],
+) -> torch.Tensor:
+    """The step's batch through every layer: layers 0..L on the rows vLLM computes (everything but
+    the pruned prompts, ``injected[i]`` added to layer i's output) while the pruned prompts' kept
+    keys/values enter the paged cache, then layers L+1.. on every row, the pruned prompts' rows
+    holding their kept tokens."""
+    device = inputs_embeds.device
+    rows = inputs_embeds.shape[0]
+    pruned_rows = [r for p in prompts for r in range(p.start, p.start + p.length)]
+    taken = set(pruned_rows)
+    pruned = torch.tensor(pruned_rows, dtype=torch.long, device=device)
+    live = torch.tensor([r for r in range(rows) if r not in taken], dtype=torch.long, device=device)
+    positions = positions.clone()
+    rope = model.layout.layer_positions(positions)
+    hidden = inputs_embeds.index_select(0, live)
+    live_rope = rope.index_select(-1, live)
+    residual = hidden
+    for index, parts in enumerate(model.scored):
+        key = torch.cat([p.keys[index] for p in kept])
+        value = torch.cat([p.values[index] for p in kept])
+        query = key.new_zeros(rows, parts.heads * parts.head_dim)
+        key = key.new_empty(rows, key.shape[1]).index_copy_(0, pruned, key)
+        value = value.new_empty(rows, value.shape[1]).index_copy_(0, pruned, value)
+        if live.numel():
+            normed, residual = parts.attention_input(hidden, residual if index else None)
+            q, k, v = parts.project(normed, live_rope)
+            query.index_copy_(0, live, q)
+            key.index_copy_(0, live, k)
+            value.index_copy_(0, live, v)
+        attended = parts.paged_attention(query, key, value)
+        if live.numel():
+            hidden, residual = parts.output(attended.index_select(0, live), residual)
+            if index < len(injected):
+                hidden = hidden + injected[index].index_select(0, live)
+    width = inputs_embeds.shape[1]
+    all_hidden = hidden.new_empty(rows, width).index_copy_(0, live, hidden)
+    all_residual = residual.new_empty(rows, width).index_copy_(0, live, residual)
+    all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
+    all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
+    positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
+    return model.text.finish(model.layout.layer_positions(positions), all_hidden, all_residual)

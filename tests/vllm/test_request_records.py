@@ -1,4 +1,4 @@
-"""What a pruned request carries across vLLM's processes (``request_layout.py``) and how a family lays out an
+"""What a pruned request carries across vLLM's processes (``request_records.py``) and how a family lays out an
 image (``positions.FamilyLayout``), on hand-computed values: each record is read back as written, and a
 record that is missing, partial or corrupted is refused, never read as a plan."""
 
@@ -11,15 +11,12 @@ import torch
 from vllm.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
 
 from priortr.integrations.vllm.positions import (
-    LINEAR_ROPE,
-    LINEAR_ROPE_ROW_BREAKS,
-    MROPE,
     FamilyLayout,
     ImageSlots,
     linear_positions,
     request_positions,
 )
-from priortr.integrations.vllm.request_layout import (
+from priortr.integrations.vllm.request_records import (
     ENCODED_KEY,
     KEPT_KEY,
     PROMPT_LENGTH_KEY,
@@ -35,6 +32,7 @@ from priortr.integrations.vllm.request_layout import (
     take_kept,
     with_record,
 )
+from priortr.integrations.vllm.served_families import INTERNVL_LAYOUT, MISTRAL3_LAYOUT, QWEN_LAYOUT
 
 IMG = 9  # an image placeholder id
 RECORD = ImageRecord(prompt_length=67, kept_count=4, encoded=16, unpruned_length=91)  # 67 + 16 - 4 <= 91
@@ -143,22 +141,22 @@ def test_the_text_inside_an_image_follows_its_slots():
     mask = torch.tensor([True, True, False, True, True, False])
     short, (span,) = shrink_prompt(prompt, [PlaceholderRange(offset=1, length=6, is_embed=mask)], [1])
     assert short == [5, IMG, 7, 8, 6] and (span.offset, span.length) == (1, 3)
-    rows = break_rows(span.offset, 1, len(LINEAR_ROPE_ROW_BREAKS.breaks((2, 2))))
+    rows = break_rows(span.offset, 1, len(MISTRAL3_LAYOUT.breaks((2, 2))))
     assert list(rows) == [2] and [short[r] for r in rows] == [7]
     assert break_rows(5, 2, 3) == range(7, 10)
 
 
 def test_family_layouts():
     """Hand-computed: an image of 2 x 2 tokens from position 3."""
-    assert MROPE.breaks((2, 2)) == LINEAR_ROPE.breaks((2, 2)) == ()
-    assert LINEAR_ROPE_ROW_BREAKS.breaks((3, 4)) == (4, 8)
-    assert MROPE.image_positions(3, (2, 2)).tolist() == [[3, 3, 3, 3], [3, 3, 4, 4], [3, 4, 3, 4]]
-    assert LINEAR_ROPE.image_positions(3, (2, 2)).tolist() == [[3, 4, 5, 6]] * 3
-    assert LINEAR_ROPE_ROW_BREAKS.image_positions(3, (2, 2)).tolist() == [[3, 4, 5, 6, 7]] * 3  # + a break
+    assert QWEN_LAYOUT.breaks((2, 2)) == INTERNVL_LAYOUT.breaks((2, 2)) == ()
+    assert MISTRAL3_LAYOUT.breaks((3, 4)) == (4, 8)
+    assert QWEN_LAYOUT.image_positions(3, (2, 2)).tolist() == [[3, 3, 3, 3], [3, 3, 4, 4], [3, 4, 3, 4]]
+    assert INTERNVL_LAYOUT.image_positions(3, (2, 2)).tolist() == [[3, 4, 5, 6]] * 3
+    assert MISTRAL3_LAYOUT.image_positions(3, (2, 2)).tolist() == [[3, 4, 5, 6, 7]] * 3  # + a break
     positions = torch.arange(6).view(3, 2)
-    assert LINEAR_ROPE.layer_positions(positions).tolist() == [0, 1]
-    assert MROPE.layer_positions(positions) is positions
+    assert INTERNVL_LAYOUT.layer_positions(positions).tolist() == [0, 1]
+    assert QWEN_LAYOUT.layer_positions(positions) is positions
     flat = torch.arange(2)
-    assert LINEAR_ROPE.layer_positions(flat) is flat  # 1-D positions pass as they are
+    assert INTERNVL_LAYOUT.layer_positions(flat) is flat  # 1-D positions pass as they are
     with pytest.raises(ValueError, match="1-D RoPE only"):
         FamilyLayout(linear_rope=False, row_breaks=True)
