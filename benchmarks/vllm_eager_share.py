@@ -11,12 +11,13 @@ offline; one engine with the plug-in (PriorTR at ``--layer``, K = ``--budget``).
 requests decode ``--tokens`` tokens each while an image request (8 output tokens) arrives every
 ``--every`` engine steps (each rate a stream of its own), in three modes: no arrivals, pruned
 arrivals, unpruned arrivals (the request turns pruning off). A step takes the pruned path when
-``PruningModel.forward`` hands it to ``_pruned_forward``; both are wrapped in this process to count
-calls. TPOT: per text request, (time of its last token - time of its first) / (tokens - 1), the
-median over text requests. Runs alternate within each of ``--repeats`` repeats; the median over
-repeats is reported with its spread, flagged where the spread is above 10% of the median. On vLLM's
-CPU build (``enforce_eager``) every step runs eagerly and there are no CUDA graphs: the count shows
-the share of steps that would leave them on a GPU, not what that costs there.
+``PruningModel.forward`` hands it to the pruned step (``step.run_step``, as ``models`` calls it); both
+are wrapped in this process to count calls. TPOT: per text request, (time of its last token - time of
+its first) / (tokens - 1), the median over text requests. Runs alternate within each of
+``--repeats`` repeats; the median over repeats is reported with its spread, flagged where the spread
+is above 10% of the median. On vLLM's CPU build (``enforce_eager``) every step runs eagerly and there
+are no CUDA graphs: the count shows the share of steps that would leave them on a GPU, not what that
+costs there.
 
 Writes ``eager-share.json`` and ``eager-share.md`` into ``--out``.
 """
@@ -47,6 +48,7 @@ from benchmarks.vllm_serving import (  # first: sets vLLM's environment before v
     question,
     request,
 )
+from priortr.integrations.vllm import models
 from priortr.integrations.vllm.models import PruningModel
 
 MODES = ("none", "pruned", "unpruned")
@@ -70,7 +72,7 @@ def counting(method: Any, key: str) -> Any:
 
 
 PruningModel.forward = counting(PruningModel.forward, "steps")
-PruningModel._pruned_forward = counting(PruningModel._pruned_forward, "pruned")
+models.run_step = counting(models.run_step, "pruned")
 
 
 def start_engine(path: Path, args: argparse.Namespace) -> LLMEngine:

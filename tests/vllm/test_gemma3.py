@@ -1,5 +1,5 @@
 """Gemma 3 (``Gemma3ForConditionalGeneration``) and vLLM's CPU build: what stock vLLM serves, which the
-plug-in's refusal of Gemma 3 rests on (``registration.UNSERVED``; docs/serving.md, Families).
+plug-in's refusal of Gemma 3 rests on (``architectures.UNSERVED``; docs/serving.md, Families).
 
 Transformers lets the tokens of one Gemma 3 image attend to each other in both directions at prefill
 (``token_type_ids``); vLLM asks its attention backends for that through multimodal-prefix ranges

@@ -19,7 +19,7 @@ from priortr.engine.memo import memo
 
 @dataclass(frozen=True)
 class SequenceMap:
-    """The current sequence of a prefill, as maps over its columns; a cut makes a new one (``kept``).
+    """The current sequence of a prefill, as maps over its columns; a cut makes a new one (``after_cut``).
 
     Attributes:
         positions: [B, S'] the prompt position of each column (the rows of logits a plain forward

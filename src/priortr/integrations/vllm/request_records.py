@@ -48,8 +48,8 @@ class ImageRecord:
 
     ``prompt_length``: the request's scheduled prompt (K slots per image), which tells a re-prefill
     after preemption where the prompt ends (Model Runner V2 asks for positions again with the prompt
-    and its generated tokens); ``kept``: the image's K slots, which ``embed_multimodal`` fills with the
-    image's N encoder rows (adjacent images' slots are one run no count in the step separates);
+    and its generated tokens); ``kept_count``: the image's K slots, which ``embed_multimodal`` fills with
+    the image's N encoder rows (adjacent images' slots are one run no count in the step separates);
     ``encoded``: the image's N, the embeddings its encoder computes and the scheduler charges;
     ``unpruned_length``: the prompt with every image whole, which bounds the answer (``scheduler.py``).
     """
@@ -65,8 +65,9 @@ class ImageRecord:
             and self.prompt_length + self.encoded - self.kept_count <= self.unpruned_length
         ):
             raise RuntimeError(
-                f"priortr: an image's record {self} is not one the plug-in's processor writes (1 <= kept "
-                "<= encoded, kept <= prompt_length, prompt_length + encoded - kept <= unpruned_length); "
+                f"priortr: an image's record {self} is not one the plug-in's processor writes "
+                "(1 <= kept_count <= encoded, kept_count <= prompt_length, "
+                "prompt_length + encoded - kept_count <= unpruned_length); "
                 "is another plug-in or cache changing the request's image items?"
             )
 
