@@ -5,6 +5,7 @@ starts; a model config without priortr settings gets vLLM's own class."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -190,6 +191,17 @@ def test_guarded_architectures_are_the_registered_ones():
     from priortr.integrations.vllm.architectures import SERVED
 
     assert list(SERVED) == [family.architecture for family in served_families.FAMILIES]
+
+
+def test_a_family_block_holds_one_layout():
+    """Each served family's model class and processor class lay images out alike; a block whose
+    processor declares another layout is refused when the row is made (negative control)."""
+    for family in served_families.FAMILIES:
+        assert getattr(family.processor, "layout", family.layout) == family.layout
+    qwen_laid_out = {"layout": served_families.QWEN_LAYOUT}
+    mismatched = type("Mismatched", (served_families.LlavaProcessor,), qwen_laid_out)
+    with pytest.raises(TypeError, match="one block, one layout"):
+        dataclasses.replace(served_families.LLAVA, processor=mismatched)
 
 
 def test_model_without_settings_is_vllms_own_class(llava_dir):
