@@ -200,7 +200,8 @@ def qwen3_vl_moe(path: str | Path) -> Path:
     return path
 
 
-GLM4V_ROPE = {**QWEN_ROPE, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}  # 8 of 16 pairs
+# half of each 32-wide head rotates: 8 frequencies, split 2 (temporal) + 3 (height) + 3 (width)
+GLM4V_ROPE = {**QWEN_ROPE, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}
 GLM4V_TEMPLATE = QWEN_TEMPLATE.replace(
     "<|vision_start|><|image_pad|><|vision_end|>", "<|begin_of_image|><|image|><|end_of_image|>"
 )
