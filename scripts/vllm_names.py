@@ -75,6 +75,13 @@ SERVED = [
         "Mistral3ProcessingInfo",
         "Mistral3",
     ),
+    (
+        "glm4_1v",
+        "Glm4vForConditionalGeneration",
+        "Glm4vMultiModalProcessor",
+        "Glm4vProcessingInfo",
+        "Glm4v",
+    ),
 ]
 LINEAR_ROPE = ("llava", "interns1", "llava_next", "llava_onevision", "mistral3")
 """Served modules of 1-D RoPE models, which have no ``get_mrope_input_positions`` of their own."""
@@ -247,6 +254,8 @@ NAMES = [
     Name(f"{MODELS}.mistral3", "Mistral3ForConditionalGeneration.config"),
     Name(f"{MODELS}.mistral", "MistralDecoderLayer.ada_rms_norm_t_cond"),
     Name(f"{MODELS}.mistral", "MistralAttention.do_llama_4_scaling"),
+    Name(f"{MODELS}.glm4", "Glm4DecoderLayer.post_self_attn_layernorm"),
+    Name(f"{MODELS}.glm4", "Glm4DecoderLayer.post_mlp_layernorm"),
     Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.mm_position"),
     Name("vllm.multimodal.inputs", "MultiModalFeatureSpec.identifier"),
     Name(

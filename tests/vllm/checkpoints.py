@@ -1,5 +1,5 @@
 """Tiny random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-OneVision, LLaVA-NeXT,
-Mistral 3 and Gemma 3 checkpoints that vLLM's CPU build can load, built offline.
+Mistral 3, GLM-4.1V and Gemma 3 checkpoints that vLLM's CPU build can load, built offline.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, so the text models here have hidden size
 128 over 4 heads (head_dim 32). The weights are drawn wider than transformers' default (std 0.02)
@@ -21,6 +21,10 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
     Gemma3Processor,
+    Glm4vForConditionalGeneration,
+    Glm4vImageProcessorPil,
+    Glm4vProcessor,
+    Glm4vVideoProcessor,
     GotOcr2ImageProcessorPil,
     InternVLConfig,
     InternVLForConditionalGeneration,
@@ -65,8 +69,21 @@ from tests.helpers.tiny import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
-from tests.helpers.tiny_glm4v import tiny_glm4v
-from tests.helpers.tiny_internvl_smolvlm import INTERNVL_END_ID, INTERNVL_IMAGE_ID, INTERNVL_START_ID
+from tests.helpers.tiny_glm4v import (
+    GLM_IMAGE_END_ID,
+    GLM_IMAGE_ID,
+    GLM_IMAGE_START_ID,
+    GLM_VIDEO_END_ID,
+    GLM_VIDEO_ID,
+    GLM_VIDEO_START_ID,
+    tiny_glm4v,
+)
+from tests.helpers.tiny_internvl_smolvlm import (
+    INTERNVL_END_ID,
+    INTERNVL_IMAGE_ID,
+    INTERNVL_START_ID,
+    tiny_idefics3,
+)
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.helpers.tiny_qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_moe
 
@@ -183,11 +200,64 @@ def qwen3_vl_moe(path: str | Path) -> Path:
     return path
 
 
+# half of each 32-wide head rotates: 8 frequencies, split 2 (temporal) + 3 (height) + 3 (width)
+GLM4V_ROPE = {**QWEN_ROPE, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}
+GLM4V_TEMPLATE = QWEN_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<|begin_of_image|><|image|><|end_of_image|>"
+)
+
+
 def glm4v(path: str | Path) -> Path:
-    """GLM-4V's config and weights (``tests.helpers.tiny_glm4v``), no processor: a family the plug-in
-    does not serve, whose engine config vLLM builds (the refusal is made there)."""
+    """GLM-4.1V (``tests.helpers.tiny_glm4v``'s 2-block tower, patches of 14 px merged 2 x 2) with a
+    4-layer head_dim-32 GLM-4 text model (sandwich norms, RoPE over half of each head); images are
+    resized to 4x4 .. 8x8 patches, so a 56x56 image is 4 visual tokens and 112x112 is 16, each written
+    ``<|begin_of_image|> <|image|> x N <|end_of_image|>`` as ``Glm4vProcessor`` writes it."""
     path = Path(path)
-    tiny_glm4v(dtype=torch.float32).save_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_glm4v(dtype=torch.float32).config
+    for key, value in {**TEXT, "rope_parameters": GLM4V_ROPE}.items():
+        setattr(config.text_config, key, value)
+    config.vision_config.out_hidden_size = TEXT["hidden_size"]
+    torch.manual_seed(0)
+    model = Glm4vForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    model.eval().save_pretrained(path)
+    frames, patch = 2, 14  # an image is one temporal patch of two copies of itself
+    size = {"shortest_edge": frames * (4 * patch) ** 2, "longest_edge": frames * (8 * patch) ** 2}
+    special = {
+        **WORD_SPECIALS,
+        "<|image|>": GLM_IMAGE_ID,
+        "<|video|>": GLM_VIDEO_ID,
+        "<|begin_of_image|>": GLM_IMAGE_START_ID,
+        "<|end_of_image|>": GLM_IMAGE_END_ID,
+        "<|begin_of_video|>": GLM_VIDEO_START_ID,
+        "<|end_of_video|>": GLM_VIDEO_END_ID,
+    }
+    names = {
+        "image_token": "<|image|>",
+        "video_token": "<|video|>",
+        "image_start_token": "<|begin_of_image|>",
+        "image_end_token": "<|end_of_image|>",
+        "video_start_token": "<|begin_of_video|>",
+        "video_end_token": "<|end_of_video|>",
+    }
+    processor = Glm4vProcessor(
+        image_processor=Glm4vImageProcessorPil(size=size, patch_size=patch),
+        video_processor=Glm4vVideoProcessor(size=size, max_image_size={"longest_edge": size["longest_edge"]}),
+        tokenizer=_word_tokenizer(special, names),
+        chat_template=GLM4V_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _widen(path, seed=11)
+    return path
+
+
+def idefics3(path: str | Path) -> Path:
+    """Idefics3's config and weights (``tests.helpers.tiny_internvl_smolvlm``), no processor: a family the
+    plug-in does not serve, whose engine config vLLM builds (the refusal is made there)."""
+    path = Path(path)
+    tiny_idefics3(dtype=torch.float32).save_pretrained(path)
     return path
 
 

@@ -141,3 +141,10 @@ def llava_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.vllm import checkpoints
 
     return checkpoints.llava_next(tmp_path_factory.mktemp("llava-next"))
+
+
+@pytest.fixture(scope="session")
+def glm4v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm import checkpoints
+
+    return checkpoints.glm4v(tmp_path_factory.mktemp("glm4v"))

@@ -23,6 +23,7 @@ from PIL import Image
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import models, served_families
+from tests.helpers.tiny_glm4v import GLM_IMAGE_END_ID, GLM_IMAGE_ID, GLM_IMAGE_START_ID
 from tests.helpers.tiny_mistral3 import MISTRAL3_BREAK_ID, MISTRAL3_END_ID, MISTRAL3_IMAGE_ID
 from tests.vllm.checkpoints import MISTRAL3_TOKEN_PIXELS
 from tests.vllm.harness import (
@@ -92,6 +93,9 @@ QWEN_ONE = f"USER: {QWEN_IMAGE} what is in the image ASSISTANT:"  # 9 text token
 QWEN_TWO = f"USER: {QWEN_IMAGE} a {QWEN_IMAGE} what is in the image ASSISTANT:"  # 12
 INTERNVL_ONE = "USER: <IMG_CONTEXT> what is in the image ASSISTANT:"  # 9 with <img> and </img>
 INTERNVL_TWO = "USER: <IMG_CONTEXT> a <IMG_CONTEXT> what is in the image ASSISTANT:"  # 12
+GLM4V_IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
+GLM4V_ONE = f"USER: {GLM4V_IMAGE} what is in the image ASSISTANT:"  # 9 text tokens with the markers
+GLM4V_TWO = f"USER: {GLM4V_IMAGE} a {GLM4V_IMAGE} what is in the image ASSISTANT:"  # 12
 ANYRES_ONE = "USER: <image> what is in the image ASSISTANT:"  # 7
 ANYRES_TWO = "USER: <image> a <image> what is in the image ASSISTANT:"  # 8
 IMG, BREAK, END = MISTRAL3_IMAGE_ID, MISTRAL3_BREAK_ID, MISTRAL3_END_ID
@@ -216,10 +220,24 @@ FAMILIES = {
             (3, 1, (*([IMG] * 4 + [BREAK]) * 3, *[IMG] * 4, END)),  # unpruned: vLLM's own layout
         ),
     ),
+    "glm4v": Family(
+        "glm4v_dir",
+        "Glm4vForConditionalGeneration",
+        served_families.PruningGlm4v,
+        FASTV,
+        GLM4V_ONE,
+        GLM4V_TWO,
+        sized(56),  # 4 tokens
+        sized(112),  # 16
+        wide=10,
+        lengths=(9 + 6, 12 + 6, 12 + 10, 9 + 16, 9),
+        limits={"image": 2, "video": 0},
+        layouts=((0, 1, (GLM_IMAGE_START_ID, *[GLM_IMAGE_ID] * 6, GLM_IMAGE_END_ID)),),
+    ),
 }
 """Every family the plug-in serves: 1-D RoPE (LLaVA, InternVL's tiles, LLaVA-OneVision's and
 LLaVA-NeXT's AnyRes crops, Mistral 3's row breaks) and M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with
-DeepStack, dense and MoE)."""
+DeepStack, dense and MoE; GLM-4.1V, whose GLM-4 layers have sandwich norms and partial RoPE)."""
 
 
 def step_cases(family: Family) -> list[tuple]:

@@ -235,12 +235,14 @@ def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
 
 
 def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
-    """GLM-4V is pruned by priortr.apply, not by the plug-in: with priortr settings the engine refuses
+    """Idefics3 is pruned by priortr.apply, not by the plug-in: with priortr settings the engine refuses
     to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
     from tests.vllm import checkpoints
 
-    path = checkpoints.glm4v(tmp_path / "glm4v")
-    with pytest.raises(ValueError, match=r"does not serve Glm4vForConditionalGeneration .* served unpruned"):
+    path = checkpoints.idefics3(tmp_path / "idefics3")
+    with pytest.raises(
+        ValueError, match=r"does not serve Idefics3ForConditionalGeneration .* served unpruned"
+    ):
         config_of(path)
     config_of(path, hf_overrides={})
 

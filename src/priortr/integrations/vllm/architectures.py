@@ -18,6 +18,7 @@ SERVED = (
     "LlavaOnevisionForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
 )
 """vLLM's names of the served families, in ``served_families.FAMILIES``' order."""
 NOT_YET = "no plug-in class wraps its vLLM model yet"
@@ -36,7 +37,6 @@ UNSERVED = {
         "image, where transformers attends both ways)"
     ),
     "Idefics3ForConditionalGeneration": NOT_YET,
-    "Glm4vForConditionalGeneration": NOT_YET,
     "Llama4ForConditionalGeneration": NOT_YET,
 }
 """vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve, with the

@@ -10,8 +10,11 @@ takes the residual too; Qwen3's, Qwen3-VL's and Qwen3-VL MoE's attention applies
 head of q and k before RoPE (``q_norm`` / ``k_norm``, as vLLM's ``Qwen3Attention.forward`` and
 ``Qwen3MoeAttention.forward``). vLLM's Mistral layer is Llama's with two options the plug-in refuses:
 Llama 4's position-dependent query scaling (``llama_4_scaling``, Ministral 3's text model) and a
-time-conditioned norm (``ada_rms_norm_t_cond``). A layer of another shape is refused when the model
-loads, with its type named.
+time-conditioned norm (``ada_rms_norm_t_cond``). vLLM's GLM-4 layer (GLM-4.1V's language model) is
+Llama's with "sandwich" norms, ``post_self_attn_layernorm`` on the attention output before the fused
+residual norm and ``post_mlp_layernorm`` on the MLP output (``Glm4DecoderLayer.forward``); its RoPE
+over part of each head is inside vLLM's ``rotary_emb``. A layer of another shape is refused when the
+model loads, with its type named.
 
 Qwen3-VL MoE's ``mlp`` is a dense MLP or vLLM's sparse MoE block (router, top-k experts, no shared
 expert in Qwen3-VL MoE's config) through vLLM's fused-MoE layer. The block is a function of its rows
@@ -35,6 +38,7 @@ from vllm.forward_context import get_forward_context
 
 KNOWN_LAYERS = frozenset(
     {
+        "Glm4DecoderLayer",
         "LlamaDecoderLayer",
         "MistralDecoderLayer",
         "Qwen2DecoderLayer",
@@ -45,12 +49,16 @@ KNOWN_LAYERS = frozenset(
 )
 QK_NORM_LAYERS = frozenset({"Qwen3DecoderLayer", "Qwen3VLDecoderLayer", "Qwen3VLMoeDecoderLayer"})
 """The known layers whose attention normalises each head of q and k before RoPE (``q_norm``, ``k_norm``)."""
+SANDWICH_NORM_LAYERS = frozenset({"Glm4DecoderLayer"})
+"""The known layers that also norm their attention's and their MLP's outputs (``post_self_attn_layernorm``,
+``post_mlp_layernorm``)."""
 READABLE_BACKENDS = frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"})
 """vLLM attention backends whose per-layer metadata carries ``query_start_loc`` and ``seq_lens`` as
 tensors of the step's requests (read in vLLM 0.32 / 0.33; ``CPU_ATTN`` is the one run by the tests).
 FlashInfer's metadata has no ``query_start_loc``; another backend is refused when the model loads."""
 _PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _ATTENTION_PARTS = ("qkv_proj", "rotary_emb", "attn", "o_proj", "q_size", "kv_size", "num_heads")
+_SANDWICH_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
 
 
 class LayerParts:
@@ -65,6 +73,9 @@ class LayerParts:
         self.qk_norm = name in QK_NORM_LAYERS
         if self.qk_norm:
             missing += [part for part in ("q_norm", "k_norm") if not hasattr(attention, part)]
+        self.sandwich_norms = name in SANDWICH_NORM_LAYERS
+        if self.sandwich_norms:
+            missing += [part for part in _SANDWICH_NORMS if not hasattr(layer, part)]
         if name not in KNOWN_LAYERS or missing or getattr(attention, "qk_norm", False):
             raise ValueError(
                 f"priortr's vLLM plug-in runs {', '.join(sorted(KNOWN_LAYERS))} (q/k norms only on "
@@ -104,10 +115,16 @@ class LayerParts:
         return q, k, v
 
     def output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (hidden, residual) output from its attention output [T, H*d]."""
+        """The layer's (hidden, residual) output from its attention output [T, H*d] (with the sandwich
+        norms around the fused residual norm and after the MLP, where the layer has them)."""
         hidden, _ = self.module.o_proj(attended)
+        if self.sandwich_norms:
+            hidden = self.layer.post_self_attn_layernorm(hidden)
         hidden, residual = self.layer.post_attention_layernorm(hidden, residual)
-        return self.layer.mlp(hidden), residual
+        hidden = self.layer.mlp(hidden)
+        if self.sandwich_norms:
+            hidden = self.layer.post_mlp_layernorm(hidden)
+        return hidden, residual
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """vLLM's attention layer on this step's rows [T, .]: it writes every row's key/value into

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.models import (
+    glm4_1v,
     interns1,
     llava,
     llava_next,
@@ -22,6 +23,7 @@ from vllm.model_executor.models import (
     qwen2_vl,
     qwen3_vl,
 )
+from vllm.model_executor.models.glm4_1v import Glm4vForConditionalGeneration
 from vllm.model_executor.models.interns1 import InternS1ForConditionalGeneration
 from vllm.model_executor.models.llava import LlavaForConditionalGeneration
 from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
@@ -392,6 +394,44 @@ QWEN3_VL_MOE = Family(
 )
 
 
+# GLM-4.1V
+
+GLM4V_LAYOUT = FamilyLayout(linear_rope=False)
+"""M-RoPE as Qwen2-VL's, an image one grid of visual tokens between ``<|begin_of_image|>`` and
+``<|end_of_image|>``."""
+
+
+class PruningGlm4v(QwenPositions, PruningModel, Glm4vForConditionalGeneration):
+    """vLLM's GLM-4.1V with priortr (M-RoPE; a GLM-4 language model, its layers' sandwich norms and
+    partial RoPE as ``decoder.py`` reads them).
+
+    vLLM lays out an image as ``Glm4vProcessor`` writes it, ``<|begin_of_image|> <|image|> x N
+    <|end_of_image|>``, its placeholder range the N ``<|image|>`` tokens, and places them as Qwen2-VL
+    does (``get_mrope_input_positions`` from each image's offset and ``image_grid_thw``), so the
+    positions are ``QwenPositions``'. ``priortr.apply`` prunes an image's N tokens under one budget,
+    ``<|end_of_image|>`` its separator (``priortr.adapters.glm4v``)."""
+
+    stock = Glm4vForConditionalGeneration
+    layout = GLM4V_LAYOUT
+
+
+class Glm4vProcessor(PruningProcessor, glm4_1v.Glm4vMultiModalProcessor):
+    """GLM-4.1V's processor, pruned requests cut to K ``<|image|>`` placeholders per image between its
+    ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
+
+    layout = GLM4V_LAYOUT
+
+
+GLM4V = Family(
+    "Glm4vForConditionalGeneration",
+    PruningGlm4v,
+    PruningConfigHook,
+    Glm4vProcessor,
+    glm4_1v.Glm4vProcessingInfo,
+    glm4_1v.Glm4vDummyInputsBuilder,
+)
+
+
 FAMILIES = (
     LLAVA,
     QWEN2_VL,
@@ -402,5 +442,6 @@ FAMILIES = (
     LLAVA_ONEVISION,
     LLAVA_NEXT,
     MISTRAL3,
+    GLM4V,
 )
 """Every served family, one block each above: ``registration.register_all`` registers them all alike."""
