@@ -218,7 +218,8 @@ class AnyResImages(SizedImages):
 
 
 class QwenPositions:
-    """M-RoPE positions of Qwen2-VL / Qwen2.5-VL requests, from vLLM's own rule on the full prompt."""
+    """M-RoPE positions of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4.1V requests, from vLLM's own rule on
+    the full prompt."""
 
     def _slots(self, feature: Any) -> ImageSlots:
         span = feature.mm_position

@@ -198,7 +198,8 @@ ADJACENT_REFUSED = (
 )
 """Why a family without ``FamilyLayout.adjacent_images`` refuses a pruned prompt with adjacent
 images (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose templates wrap every image in ``<|vision_start|>`` and
-``<|vision_end|>``; InternVL's and Mistral 3's placeholder ranges end in text, so theirs never meet)."""
+``<|vision_end|>``, and GLM-4.1V, whose processor wraps it in ``<|begin_of_image|>`` and
+``<|end_of_image|>``; InternVL's and Mistral 3's placeholder ranges end in text, so theirs never meet)."""
 
 
 def image_counts(hf_config: Any, config: PruningConfig, laid_out: Any, adjacent: bool) -> list[int]:

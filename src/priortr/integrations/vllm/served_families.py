@@ -1,8 +1,9 @@
 """The served families, one block each: how the family lays out an image (``FamilyLayout``), its model
 class (vLLM's own with the plug-in's hooks, ``models.py``), its multimodal processor (vLLM's own with
 the plug-in's, ``processor.py``) and its registry row (``Family``), which ``registration.register_all``
-registers alike. A new family is one block here, its adapter in ``priortr.adapters`` and its row in
-the tests' family table (``tests/vllm/checkpoints.py``).
+registers alike. A new family is one block here, its adapter in ``priortr.adapters``, and in the tests
+its row in the family table (``tests/vllm/family_contract.py``) with its tiny checkpoint
+(``tests/vllm/checkpoints.py``), its fixture and a test class naming the row.
 """
 
 from __future__ import annotations
