@@ -1,6 +1,7 @@
 """Scale-out on vLLM's CPU build, where each rank is a process on this machine: tensor parallelism 2
-(offline ``LLM``, the multiprocessing executor) and data parallelism 2 (the OpenAI server: vLLM's
-offline ``LLM`` refuses data parallelism for a dense model), against priortr.apply + HF generate().
+(offline ``LLM``, the multiprocessing executor) of a dense model and of Qwen3-VL MoE, and data
+parallelism 2 (the OpenAI server: vLLM's offline ``LLM`` refuses data parallelism for a dense model),
+against priortr.apply + HF generate().
 
 Under tensor parallelism each rank holds half the heads of layer L; the scores need every head, so
 the ranks gather their attention rows before choosing (``decoder.LayerParts.every_head``). The
@@ -22,6 +23,8 @@ from vllm import LLM, SamplingParams
 import priortr
 from priortr.engine import evidence
 from tests.vllm import reference, test_http
+from tests.vllm.family_contract import FAMILIES, answers, expected, step_cases
+from tests.vllm.harness import generate
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 from tests.vllm.test_http import QUESTION, chat, serving
 from tests.vllm.test_http import TOKENS as HTTP_TOKENS
@@ -42,6 +45,19 @@ def tp_llm(llava_dir):
         model=str(llava_dir),
         hf_overrides={"priortr": {**SETTINGS, "request_budgets": REQUEST_BUDGETS}},
         **{**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": False},
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_tp_llm(qwen3_vl_moe_dir):
+    family = FAMILIES["qwen3-vl-moe"]
+    engine = LLM(
+        model=str(qwen3_vl_moe_dir),
+        hf_overrides=family.overrides(),
+        limit_mm_per_prompt=family.limits,
+        **{**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -123,3 +139,16 @@ def test_data_parallel_2_over_http_is_exact(llava_dir, tmp_path_factory, monkeyp
         if float(match.group(2)) > 0
     }
     assert finished == {"0", "1"}, "one engine core served every request"
+
+
+def test_moe_tensor_parallel_2_is_exact(moe_tp_llm, qwen3_vl_moe_dir):
+    """Qwen3-VL MoE at tensor parallelism 2: each rank holds half of every expert and half the heads,
+    and every rank runs the same MoE block calls in the same order (the pruned prompts whole through
+    layers 0..L, then the step's rows), each reduced across the ranks. One step holds pruned prompts
+    (one image, two images sharing the budget, a wider per-request budget), an image request that
+    prunes nothing and a text-only one; the served prompt lengths show which were pruned."""
+    family = FAMILIES["qwen3-vl-moe"]
+    cases = step_cases(family)
+    outs = generate(moe_tp_llm, cases)
+    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
+    assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]

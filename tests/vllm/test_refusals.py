@@ -247,13 +247,14 @@ def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ({"enable_expert_parallel": True}, r"tensor, data or expert parallelism of a mixture-of-experts"),
+        ({"enable_expert_parallel": True}, r"data or expert parallelism of a mixture-of-experts"),
         ({"enable_return_routed_experts": True}, r"returning routed experts"),
     ],
 )
 def test_moe_settings_the_plugin_has_not_run_are_refused(qwen3_vl_moe_dir, setting, message):
-    """Qwen3-VL MoE is served on one rank per engine, without returned routing: each is refused at
-    engine start with the setting to change."""
+    """Qwen3-VL MoE is served without expert (or data) parallelism and without returned routing: each
+    is refused at engine start with the setting to change (tensor parallelism is served:
+    ``test_parallel.py``)."""
     with pytest.raises(ValueError, match=message):
         config_of(qwen3_vl_moe_dir, **setting)
 
