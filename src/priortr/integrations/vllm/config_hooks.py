@@ -24,6 +24,7 @@ import vllm
 from packaging.version import Version
 from vllm import envs
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
+from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
@@ -117,13 +118,7 @@ def refusals(vllm_config: Any) -> list[str]:
             "--no-enable-chunked-prefill"
         )
     out += compiled_refusals(vllm_config)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        out.append(
-            "pipeline parallelism: the scores and the cut are made on the stage holding layer L, and a "
-            "later stage would get the placeholders' records as positions, not the kept tokens' (vLLM "
-            "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
-            "is served)"
-        )
+    out += pipeline_refusals(vllm_config)
     out += splitting_refusals(vllm_config)
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
@@ -160,6 +155,26 @@ def refusals(vllm_config: Any) -> list[str]:
             "plug-in's packing does not expect; drop --video-pruning-rate"
         )
     return out
+
+
+def pipeline_refusals(vllm_config: Any) -> list[str]:
+    """Pipeline parallelism with the scored layer past the first stage: the first stage plans a pruned
+    step (it alone embeds the step) and sends the kept tokens' positions on (``pipeline.py``), so the
+    scored layer must be one of its layers (vLLM's split, ``get_pp_indices``, which reads
+    ``VLLM_PP_LAYER_PARTITION``)."""
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages == 1:
+        return []
+    hf_config = vllm_config.model_config.hf_config
+    layer = served_settings(hf_config).config.layer
+    _, end = get_pp_indices(hf_config.get_text_config().num_hidden_layers, 0, stages)
+    if layer < end:
+        return []
+    return [
+        f"pipeline parallelism with the scored layer {layer} past the first stage (layers 0..{end - 1}): "
+        "the first stage plans a pruned step and makes the cut; pass a smaller --pipeline-parallel-size, "
+        f"or set VLLM_PP_LAYER_PARTITION so that the first stage holds layers 0..{layer}"
+    ]
 
 
 def splitting_refusals(vllm_config: Any) -> list[str]:

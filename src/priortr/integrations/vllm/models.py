@@ -55,6 +55,7 @@ from vllm.model_executor.models.vision import get_num_selected_vision_tokens, ge
 
 from priortr.adapters import adapter_for_type
 from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
+from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions
 from priortr.integrations.vllm.positions import (
     LINEAR_ROPE,
     LINEAR_ROPE_ROW_BREAKS,
@@ -118,6 +119,7 @@ class PruningModel:
         self._adapter = adapter_for_type(hf_config.model_type)
         self._image_token = self._adapter.visual_token_ids(hf_config)["image"]
         self._text = TextModel(self, self.priortr.layer)
+        self.make_empty_intermediate_tensors = empty_tensors(self.make_empty_intermediate_tensors)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
@@ -194,9 +196,11 @@ class PruningModel:
         **kwargs: object,
     ) -> Any:
         step, self._step = self._step, None
+        positions = received_positions(intermediate_tensors, positions)  # a later stage: the sent ones
         if step is None:
-            layer_positions = self.layout.layer_positions(positions)
-            return super().forward(input_ids, layer_positions, intermediate_tensors, inputs_embeds, **kwargs)
+            rope = self.layout.layer_positions(positions)
+            output = super().forward(input_ids, rope, intermediate_tensors, inputs_embeds, **kwargs)
+            return handed_on(output, positions)
         if inputs_embeds is None or inputs_embeds.shape[0] < len(step.input_ids):
             raise RuntimeError("priortr: the step's embeddings are fewer than the tokens embed_input_ids saw")
         return self._pruned_forward(step, positions, inputs_embeds)
@@ -268,7 +272,8 @@ class PruningModel:
         all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
         all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
         positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
-        return self._text.finish(self.layout.layer_positions(positions), all_hidden, all_residual)
+        output = self._text.finish(self.layout.layer_positions(positions), all_hidden, all_residual)
+        return handed_on(output, positions)  # a stage before the last: the kept tokens' positions too
 
 
 class LinearPositions:
