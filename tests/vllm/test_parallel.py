@@ -88,8 +88,8 @@ def moe_pp_llm(qwen3_vl_moe_dir):
 def _stages_use_own_positions(worker: object) -> None:
     """Fault, run in each worker: a later stage runs at the positions its own runner scheduled (for a
     pruned prompt's rows, the placeholders' records), not those the first stage sent. They are written
-    into the sent tensor, whose layout the stage's compiled forward was traced with (vLLM drops
-    torch.compile's guards, so a tensor of other strides would be misread and change every answer)."""
+    into the sent tensor: handed the runner's own tensor (other strides), the stage's compiled forward,
+    traced with the sent one and run by vLLM without guards, changed every answer, text-only ones too."""
     from priortr.integrations.vllm import models, pipeline
 
     def own(intermediate_tensors: object, positions: torch.Tensor) -> torch.Tensor:
