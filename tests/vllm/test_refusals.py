@@ -104,14 +104,13 @@ def test_another_scheduler_is_refused_while_it_could_split_a_pruned_prompt(llava
             {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
             "FULL_AND_PIECEWISE .vLLM's default., FULL_DECODE_ONLY, PIECEWISE or NONE",
         ),
-        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 1"),
     ],
-    ids=["stock-compile", "full-graphs", "pp"],
+    ids=["stock-compile", "full-graphs"],
 )
-def test_graphs_and_pipeline_parallelism_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
+def test_graphs_that_skip_the_pruned_step_are_refused(llava_dir, setting, flag):
     """Stock torch.compile of the whole model and FULL graphs for batches with prefills would run a
-    pruned step without the plug-in's forward; a later pipeline stage would not learn the kept
-    layout. The same settings without priortr start (a control of the refusal)."""
+    pruned step without the plug-in's forward. The same settings without priortr start (a control of
+    the refusal)."""
     with pytest.raises(ValueError, match=flag):
         config_of(llava_dir, **setting)
     config_of(llava_dir, **{**setting, "hf_overrides": {}})
@@ -250,13 +249,14 @@ def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ({"enable_expert_parallel": True}, r"tensor, data or expert parallelism of a mixture-of-experts"),
+        ({"enable_expert_parallel": True}, r"data or expert parallelism of a mixture-of-experts"),
         ({"enable_return_routed_experts": True}, r"returning routed experts"),
     ],
 )
 def test_moe_settings_the_plugin_has_not_run_are_refused(qwen3_vl_moe_dir, setting, message):
-    """Qwen3-VL MoE is served on one rank per engine, without returned routing: each is refused at
-    engine start with the setting to change."""
+    """Qwen3-VL MoE is served without expert (or data) parallelism and without returned routing: each
+    is refused at engine start with the setting to change (tensor parallelism is served:
+    ``test_parallel.py``)."""
     with pytest.raises(ValueError, match=message):
         config_of(qwen3_vl_moe_dir, **setting)
 
@@ -279,6 +279,17 @@ def test_moe_hook_refuses_load_balancing_and_finds_moe_layers_by_name(qwen3_vl_m
     stock.compilation_config.fast_moe_cold_start = True
     hook.verify_and_update_config(stock)
     assert stock.compilation_config.fast_moe_cold_start is True
+
+
+def test_scored_layer_past_the_first_pipeline_stage_is_refused(qwen3_vl_moe_dir):
+    """At pipeline parallelism 2 the first stage holds decoder layers 0-1 of 4: scoring layer 2 is
+    refused at engine start (the first stage plans and cuts a pruned step); layer 1 starts."""
+    settings = {"method": "fastv", "budget": 4}
+    with pytest.raises(ValueError, match=r"scored layer 2 past the first stage \(layers 0\.\.1\)"):
+        config_of(
+            qwen3_vl_moe_dir, pipeline_parallel_size=2, hf_overrides={"priortr": {**settings, "layer": 2}}
+        )
+    config_of(qwen3_vl_moe_dir, pipeline_parallel_size=2, hf_overrides={"priortr": {**settings, "layer": 1}})
 
 
 def test_internvl_chat_model_is_refused_with_its_reason():

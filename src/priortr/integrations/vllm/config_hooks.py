@@ -24,6 +24,7 @@ import vllm
 from packaging.version import Version
 from vllm import envs
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
+from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
@@ -117,13 +118,7 @@ def refusals(vllm_config: Any) -> list[str]:
             "--no-enable-chunked-prefill"
         )
     out += compiled_refusals(vllm_config)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        out.append(
-            "pipeline parallelism: the scores and the cut are made on the stage holding layer L, and a "
-            "later stage would get the placeholders' records as positions, not the kept tokens' (vLLM "
-            "hands stages hidden states only); pass --pipeline-parallel-size 1 (--tensor-parallel-size "
-            "is served)"
-        )
+    out += pipeline_refusals(vllm_config)
     out += splitting_refusals(vllm_config)
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: drafts are not pruned alike; drop --speculative-config")
@@ -160,6 +155,26 @@ def refusals(vllm_config: Any) -> list[str]:
             "plug-in's packing does not expect; drop --video-pruning-rate"
         )
     return out
+
+
+def pipeline_refusals(vllm_config: Any) -> list[str]:
+    """Pipeline parallelism with the scored layer past the first stage: the first stage plans a pruned
+    step (it alone embeds the step) and sends the kept tokens' positions on (``pipeline.py``), so the
+    scored layer must be one of its layers (vLLM's split, ``get_pp_indices``, which reads
+    ``VLLM_PP_LAYER_PARTITION``)."""
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages == 1:
+        return []
+    hf_config = vllm_config.model_config.hf_config
+    layer = served_settings(hf_config).config.layer
+    _, end = get_pp_indices(hf_config.get_text_config().num_hidden_layers, 0, stages)
+    if layer < end:
+        return []
+    return [
+        f"pipeline parallelism with the scored layer {layer} past the first stage (layers 0..{end - 1}): "
+        "the first stage plans a pruned step and makes the cut; pass a smaller --pipeline-parallel-size, "
+        f"or set VLLM_PP_LAYER_PARTITION so that the first stage holds layers 0..{layer}"
+    ]
 
 
 def splitting_refusals(vllm_config: Any) -> list[str]:
@@ -307,20 +322,26 @@ def unserved_hook(previous: type[VerifyAndUpdateConfig] | None, reason: str) -> 
 
 
 def moe_refusals(vllm_config: Any) -> list[str]:
-    """What a mixture-of-experts language model (Qwen3-VL MoE) is not served with: the settings under
-    which its MoE blocks exchange rows or statistics across ranks or steps, which a pruned prefill's
-    extra block calls (its prompt whole, N visual tokens) would desynchronise or skew, and which the
-    plug-in has not run."""
+    """What a mixture-of-experts language model (Qwen3-VL MoE) is not served with.
+
+    Tensor parallelism is served: every tensor-parallel rank holds the same step, so it makes the same
+    MoE block calls (a pruned prompt whole, then the step's rows) in the same order, and each call's
+    all-reduce pairs with the same call on the other ranks (run at 2 on the CPU build,
+    ``tests/vllm/test_parallel.py``). Data and expert parallelism are refused: their MoE blocks
+    dispatch rows across ranks, sized by the forward context's ``dp_metadata`` (vLLM 0.32:
+    ``distributed/device_communicators/all2all.py:88-112``, ``AgRsAll2AllManager``), which a rank's
+    pruned prompt run whole would break, and vLLM's CPU build runs neither even for a stock step, so
+    no fix can be run here (docs/serving.md, Scale out). Load balancing and returned routed experts
+    would count, or miss, a pruned prompt's routing of layers 0..L."""
     parallel = vllm_config.parallel_config
     out = []
-    ranks = parallel.tensor_parallel_size * parallel.data_parallel_size
-    if ranks > 1 or parallel.enable_expert_parallel:
+    if parallel.data_parallel_size > 1 or parallel.enable_expert_parallel:
         out.append(
-            "tensor, data or expert parallelism of a mixture-of-experts model: its MoE blocks reduce or "
-            "dispatch rows across ranks in every call, and data-parallel ranks run their MoE steps in "
-            "lockstep, which a pruned prefill's extra calls on one rank would break; the plug-in has not "
-            "run them, so it serves this family on one GPU per engine: pass --tensor-parallel-size 1 "
-            "--data-parallel-size 1 and drop --enable-expert-parallel"
+            "data or expert parallelism of a mixture-of-experts model: its MoE blocks dispatch rows "
+            "across ranks sized by what each rank announced for the step, and data-parallel ranks step "
+            "in lockstep, which a pruned prompt's layers 0..L, run whole on one rank, would break; not "
+            "run with the plug-in (vLLM's CPU build runs neither for a stock step), so pass "
+            "--data-parallel-size 1 and drop --enable-expert-parallel (--tensor-parallel-size is served)"
         )
     if parallel.enable_eplb:
         out.append(

@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed import get_pp_group
 from vllm.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context
+from vllm.sequence import IntermediateTensors
 
 KNOWN_LAYERS = frozenset(
     {
@@ -160,8 +162,10 @@ class LayerParts:
 
 class TextModel:
     """A served model's language model split at the scored layer ``layer``: ``scored`` (layers
-    0..layer, taken apart) and the layers after it, run whole with the final norm by ``finish``.
-    Every layer is checked when the model loads."""
+    0..layer, taken apart) and the layers after it on this pipeline stage, run whole by ``finish``
+    with the final norm on the last stage. Under pipeline parallelism the scored layers must be on the
+    first stage (``config_hooks`` refuses the rest when the engine starts); a later stage has none.
+    Every layer of the stage is checked when the model loads."""
 
     def __init__(self, model: torch.nn.Module, layer: int) -> None:
         text_model = getattr(getattr(model, "language_model", None), "model", None)
@@ -171,16 +175,28 @@ class TextModel:
                 f".norm; {type(model).__name__} has none"
             )
         layers = list(text_model.layers)
-        self.scored = [LayerParts(each) for each in layers[: layer + 1]]
-        for each in layers[layer + 1 :]:
+        start = getattr(text_model, "start_layer", 0)
+        end = getattr(text_model, "end_layer", len(layers))
+        if start == 0 and end <= layer:
+            raise ValueError(
+                f"priortr's vLLM plug-in scores layer {layer} on the first pipeline stage, which holds "
+                f"layers 0..{end - 1}"
+            )
+        self.scored = [LayerParts(each) for each in layers[: layer + 1]] if start == 0 else []
+        self._rest = layers[max(start, layer + 1) : end]
+        for each in self._rest:
             LayerParts(each)  # refuses a layer shape the plug-in does not know, before serving
-        self._rest = layers[layer + 1 :]
         self._norm = text_model.norm
 
-    def finish(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The layers after the scored one on (hidden, residual) [T, D], then the final norm."""
+    def finish(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor | IntermediateTensors:
+        """The stage's layers after the scored one on (hidden, residual) [T, D], then the final norm
+        on the last pipeline stage; a stage before it hands (hidden, residual) on."""
         for layer in self._rest:
             hidden, residual = layer(positions, hidden, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self._norm(hidden, residual)
         return hidden
 

@@ -34,6 +34,7 @@ import torch
 
 from priortr.adapters import adapter_for_type
 from priortr.integrations.vllm.decoder import TextModel
+from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions
 from priortr.integrations.vllm.positions import FamilyLayout, ImageSlots, linear_positions, request_positions
 from priortr.integrations.vllm.request_records import (
     embedded_tokens,
@@ -87,6 +88,7 @@ class PruningModel:
             image_token=adapter.visual_token_ids(hf_config)["image"],
             text=TextModel(self, config.layer),
         )
+        self.make_empty_intermediate_tensors = empty_tensors(self.make_empty_intermediate_tensors)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
@@ -163,9 +165,11 @@ class PruningModel:
         **kwargs: object,
     ) -> Any:
         step, self._step = self._step, None
+        positions = received_positions(intermediate_tensors, positions)  # a later stage: the sent ones
         if step is None:
-            layer_positions = self.layout.layer_positions(positions)
-            return super().forward(input_ids, layer_positions, intermediate_tensors, inputs_embeds, **kwargs)
+            rope = self.layout.layer_positions(positions)
+            output = super().forward(input_ids, rope, intermediate_tensors, inputs_embeds, **kwargs)
+            return handed_on(output, positions)
         if inputs_embeds is None or inputs_embeds.shape[0] < len(step.input_ids):
             raise RuntimeError("priortr: the step's embeddings are fewer than the tokens embed_input_ids saw")
         injected = self._step_injections(inputs_embeds.shape[0])

@@ -379,8 +379,8 @@ QWEN3_VL = Family(
 class PruningQwen3VLMoe(PruningQwen3VL, Qwen3VLMoeForConditionalGeneration):
     """vLLM's Qwen3-VL MoE (Qwen3-VL-30B-A3B, 235B-A22B) with priortr: Qwen3-VL's vision side,
     positions and DeepStack as ``PruningQwen3VL``, a language model whose decoder layers' MLPs are
-    vLLM's sparse MoE blocks (``decoder.py``). Under tensor, data or expert parallelism its MoE blocks
-    exchange rows across ranks, which the plug-in has not checked: ``config_hooks`` refuses them."""
+    vLLM's sparse MoE blocks (``decoder.py``). Served under tensor parallelism (every rank makes the
+    same MoE calls); data and expert parallelism are refused (``config_hooks.moe_refusals``)."""
 
     stock = Qwen3VLMoeForConditionalGeneration
 

@@ -42,6 +42,7 @@ from priortr.adapters import FamilyAdapter
 from priortr.engine.config import PruningConfig
 from priortr.engine.front_door import ScoredLayerTensors, kept_columns
 from priortr.integrations.vllm.decoder import LayerParts, TextModel, request_bounds, unpadded_rows
+from priortr.integrations.vllm.pipeline import handed_on
 from priortr.integrations.vllm.positions import FamilyLayout
 from priortr.integrations.vllm.request_records import SlotRecord, break_rows
 
@@ -129,9 +130,10 @@ def run_step(
     positions: torch.Tensor,
     inputs_embeds: torch.Tensor,
     injected: list[torch.Tensor],
-) -> torch.Tensor:
-    """The hidden states [T, D] of a step holding pruned prompts: see the module docstring. ``positions``
-    are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output at the step's
+) -> Any:
+    """The hidden states [T, D] of a step holding pruned prompts (see the module docstring; on a pipeline
+    stage before the last, vLLM's intermediate tensors and the rows' positions, ``pipeline.handed_on``).
+    ``positions`` are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output at the step's
     rows (Qwen3-VL's DeepStack features; empty otherwise)."""
     starts, seq_lens = request_bounds(model.scored[0])
     prompts = plan_step(model, step, positions.tolist(), starts, seq_lens)
@@ -322,7 +324,7 @@ def _run_batch(
     positions: torch.Tensor,
     inputs_embeds: torch.Tensor,
     injected: list[torch.Tensor],
-) -> torch.Tensor:
+) -> Any:
     """The step's batch through every layer: layers 0..L on the rows vLLM computes (everything but
     the pruned prompts, ``injected[i]`` added to layer i's output) while the pruned prompts' kept
     keys/values enter the paged cache, then layers L+1.. on every row, the pruned prompts' rows
@@ -361,4 +363,5 @@ def _run_batch(
     all_hidden.index_copy_(0, pruned, torch.cat([p.hidden for p in kept]))
     all_residual.index_copy_(0, pruned, torch.cat([p.residual for p in kept]))
     positions.index_copy_(1, pruned, torch.cat([p.positions for p in kept], dim=1).to(positions.dtype))
-    return model.text.finish(model.layout.layer_positions(positions), all_hidden, all_residual)
+    output = model.text.finish(model.layout.layer_positions(positions), all_hidden, all_residual)
+    return handed_on(output, positions)  # a stage before the last: the kept tokens' positions too
