@@ -133,8 +133,8 @@ def run_step(
 ) -> Any:
     """The hidden states [T, D] of a step holding pruned prompts (see the module docstring; on a pipeline
     stage before the last, vLLM's intermediate tensors and the rows' positions, ``pipeline.handed_on``).
-    ``positions`` are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output at the step's
-    rows (Qwen3-VL's DeepStack features; empty otherwise)."""
+    ``positions`` are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output
+    at the step's rows (Qwen3-VL's DeepStack features; empty otherwise)."""
     starts, seq_lens = request_bounds(model.scored[0])
     prompts = plan_step(model, step, positions.tolist(), starts, seq_lens)
     with unpadded_rows():
