@@ -150,7 +150,13 @@ class PruningConfig:
             if self.method.schedule_ratio and isinstance(self.budget, float):
                 return self.method.schedule(self.budget, n_visual, n_layers)
             return self.method.schedule(kept, n_visual, n_layers)
-        return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
+        return [(self.stage_layer, kept)]
+
+    @property
+    def stage_layer(self) -> int | None:
+        """The layer of a one-stage method's stage: ``BEFORE_LLM`` for a method that prunes the language
+        model's input embeddings, else its scored ``layer`` (None for a method on a schedule)."""
+        return BEFORE_LLM if self.method.where == "vision" else self.layer
 
 
 _CHOICES = {"heads": HEAD_AGGREGATIONS, "posterior_rows": POSTERIOR_ROWS, "multi_image": MULTI_IMAGE}

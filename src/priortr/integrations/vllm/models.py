@@ -54,6 +54,7 @@ from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGene
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 
 from priortr.adapters import adapter_for_type
+from priortr.engine.config import BEFORE_LLM
 from priortr.integrations.vllm.decoder import TextModel, batch_layout, unpadded_rows
 from priortr.integrations.vllm.positions import (
     LINEAR_ROPE,
@@ -64,6 +65,7 @@ from priortr.integrations.vllm.positions import (
     linear_positions,
     request_positions,
 )
+from priortr.integrations.vllm.pre_llm import shorten_prompts
 from priortr.integrations.vllm.prefill_step import (
     KeptPrompt,
     PrunedPrompt,
@@ -79,6 +81,7 @@ from priortr.integrations.vllm.request_layout import (
     take_kept,
 )
 from priortr.integrations.vllm.settings import served_settings
+from priortr.integrations.vllm.vision_evidence import TowerTaps
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -117,7 +120,10 @@ class PruningModel:
         self._hf_config = hf_config
         self._adapter = adapter_for_type(hf_config.model_type)
         self._image_token = self._adapter.visual_token_ids(hf_config)["image"]
-        self._text = TextModel(self, self.priortr.layer)
+        # issue 57 (pre-LLM methods): layer 0 stands for the step's batch layout when nothing is scored
+        self._before_llm = self.priortr.stage_layer == BEFORE_LLM
+        self._text = TextModel(self, 0 if self._before_llm else self.priortr.layer)
+        self._taps = TowerTaps.of(self, self.priortr, self._adapter.name)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
@@ -126,7 +132,12 @@ class PruningModel:
         stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk
         boundary may fall inside an unpruned image."""
         kept = take_kept(kwargs)  # K per image, a host tensor
-        embeddings = super().embed_multimodal(**kwargs)
+        if kept is None or self._taps is None:
+            embeddings = super().embed_multimodal(**kwargs)
+        else:  # issue 57: the tower's evidence rides after a pruned image's rows (vision_evidence.py)
+            with self._taps.capturing() as captured:
+                embeddings = super().embed_multimodal(**kwargs)
+            embeddings = self._taps.pack(embeddings, captured)
         if kept is None:
             return embeddings
         return [image.reshape(1, -1).expand(int(k), -1) for image, k in zip(embeddings, kept, strict=True)]
@@ -145,7 +156,9 @@ class PruningModel:
         images, runs = [], iter(image_runs(is_multimodal))
         row = end = 0
         for packed in multimodal_embeddings:  # a pruned request's image [K, N * W], else the step's [n, W]
-            embeddings = packed[0].view(-1, width) if packed.shape[1] > width else packed
+            embeddings, evidence = (
+                self._unpack(packed[0], width) if packed.shape[1] > width else (packed, None)
+            )
             first, taken = None, 0
             while taken < packed.shape[0]:  # its rows in the step, across runs (Mistral 3's image rows)
                 if row == end:
@@ -153,11 +166,18 @@ class PruningModel:
                 first = row if first is None else first
                 rows = min(packed.shape[0] - taken, end - row)
                 row, taken = row + rows, taken + rows
-            images.append(StepImage(first, taken, embeddings))
+            images.append(StepImage(first, taken, embeddings, evidence))
         if any(image.pruned for image in images):
             self._step = StepInputs(input_ids.tolist(), images)
         merged = [image.embeddings[: image.kept_count] for image in images]
         return super().embed_input_ids(input_ids, merged, is_multimodal=is_multimodal)
+
+    def _unpack(self, row: torch.Tensor, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """A pruned image's encoder rows [N, W] and its tower evidence (None: none travels) from its
+        packed row (issue 57)."""
+        if self._taps is None:
+            return row.view(-1, width), None
+        return self._taps.unpack(row, width)
 
     def _encoder_width(self) -> int:
         """The width W of an image's encoder rows as ``embed_multimodal`` returns them: the text width."""
@@ -204,6 +224,20 @@ class PruningModel:
     @torch.no_grad()
     def _pruned_forward(self, step: StepInputs, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
         """One step holding pruned prompts: see the module docstring."""
+        if self._before_llm:  # issue 57: the survivors take the prompt's rows, then vLLM's own forward
+            shortened = shorten_prompts(
+                step,
+                positions,
+                inputs_embeds,
+                self._text.scored[0],
+                self.priortr,
+                self._adapter,
+                self._hf_config,
+                self._image_token,
+                self.layout,
+                self._taps,
+            )
+            return super().forward(None, self.layout.layer_positions(shortened), None, inputs_embeds)
         injected = self._step_injections(inputs_embeds.shape[0])
         starts, seq_lens = batch_layout(self._text.scored[0])
         prompts = plan_step(step, positions.tolist(), starts, seq_lens, self._image_token, self.layout)

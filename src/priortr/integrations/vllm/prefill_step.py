@@ -38,11 +38,13 @@ class StepImage:
     """An image scheduled in this step: the batch row of its first placeholder in the step, its
     placeholders in the step and its encoder rows [., D * (1 + J)] (the embeddings, then J DeepStack
     features; see above): a pruned image's N (K placeholders), an unpruned image's rows for its
-    placeholders in the step."""
+    placeholders in the step. ``evidence``: what the vision tower showed of a pruned image, for a method
+    that prunes before the language model and reads it (``vision_evidence.TowerTaps.unpack``)."""
 
     row: int
     kept_count: int
     embeddings: torch.Tensor
+    evidence: dict[str, torch.Tensor] | None = None
 
     @property
     def pruned(self) -> bool:

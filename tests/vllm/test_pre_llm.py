@@ -1,0 +1,106 @@
+"""Methods that prune before the language model (issue 57): VisionZip, VisPruner and DivPrune served on
+LLaVA-1.5, DivPrune on every family whose ``priortr.apply`` runs it, each answer against
+``priortr.apply`` + HF ``generate()`` on the same tiny checkpoint (``family_contract.expected``), in one
+step of mixed requests and with requests arriving while others decode; what cannot be served is refused
+with its reason when the engine starts.
+
+One engine per (family, method): engine start is the slow part, so a family's cases share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from vllm import LLM
+
+from priortr.integrations.vllm import models
+from tests.vllm.family_contract import (
+    ARRIVALS,
+    FAMILIES,
+    Family,
+    answers,
+    arrival_cases,
+    expected,
+    serve,
+    step_cases,
+)
+from tests.vllm.harness import ANSWER_TOKENS, generate
+from tests.vllm.reference import ENGINE, hf_tokens
+
+LLAVA_METHODS = {
+    "divprune": {"method": "divprune", "budget": 4},
+    "visionzip": {"method": "visionzip", "budget": 6},  # 5 dominant patches (one slot is [CLS]'s), 1 merged
+    "vispruner": {"method": "vispruner", "budget": 4},
+}
+
+
+def pre_llm(name: str, settings: dict) -> Family:
+    """Family ``name``'s row serving ``settings`` instead of its decoder-layer method; the prompt
+    lengths of ``step_cases`` are the row's, K being the same count."""
+    row = FAMILIES[name]
+    return replace(row, settings=settings)
+
+
+def engine(row: Family, path: Any) -> LLM:
+    return LLM(
+        model=str(path), hf_overrides=row.overrides(), limit_mm_per_prompt=row.limits, **row.engine, **ENGINE
+    )
+
+
+class PreLLMContract:
+    """One step of mixed requests and requests arriving while others decode, exact against apply."""
+
+    row: Family
+
+    @pytest.fixture(scope="class")
+    def path(self, request: pytest.FixtureRequest) -> Any:
+        return request.getfixturevalue(self.row.fixture)
+
+    @pytest.fixture(scope="class")
+    def llm(self, path: Any) -> Any:
+        served = engine(self.row, path)
+        yield served
+        del served
+
+    def test_one_step_of_images_text_budgets_and_pruning_off(self, llm, path):
+        assert llm.apply_model(type) == [self.row.plug_in]
+        cases = step_cases(self.row)
+        outs = generate(llm, cases)
+        for index, (case, answer) in enumerate(zip(cases, answers(outs), strict=True)):
+            assert answer == expected(self.row, path, case), index
+        assert tuple(len(out.prompt_token_ids) for out in outs) == self.row.lengths
+        for case, answer in zip(cases[:3], answers(outs)[:3], strict=True):  # pruning changed the answers
+            assert answer != hf_tokens(path, *case[:2], None, ANSWER_TOKENS)
+
+    def test_survivors_left_where_vllm_merged_them_is_caught(self, llm, path, monkeypatch):
+        """Negative control: the survivors get their positions, but the rows keep the first K of each
+        image's embeddings as vLLM merged them; the answer changes."""
+        stock = models.shorten_prompts
+
+        def unwritten(step: Any, positions: Any, inputs_embeds: torch.Tensor, *args: Any) -> Any:
+            return stock(step, positions, inputs_embeds.clone(), *args)
+
+        monkeypatch.setattr(models, "shorten_prompts", unwritten)
+        case = step_cases(self.row)[1]
+        assert answers(generate(llm, [case])) != [expected(self.row, path, case)]
+
+    def test_requests_arriving_while_others_decode(self, llm, path):
+        cases = arrival_cases(self.row)
+        results = serve(llm, cases, ARRIVALS)
+        for index, case in enumerate(cases):
+            assert results[index] == expected(self.row, path, case), index
+
+
+class TestLlavaDivPrune(PreLLMContract):
+    row = pre_llm("llava", LLAVA_METHODS["divprune"])
+
+
+class TestLlavaVisPruner(PreLLMContract):
+    row = pre_llm("llava", LLAVA_METHODS["vispruner"])
+
+
+class TestLlavaVisionZip(PreLLMContract):
+    row = pre_llm("llava", {"method": "visionzip", "budget": 4, "options": {"cls_takes_a_slot": False}})
