@@ -20,6 +20,7 @@ from priortr.integrations.vllm import models
 from tests.vllm.family_contract import (
     ARRIVALS,
     FAMILIES,
+    OFF,
     Family,
     answers,
     arrival_cases,
@@ -102,5 +103,28 @@ class TestLlavaVisPruner(PreLLMContract):
     row = pre_llm("llava", LLAVA_METHODS["vispruner"])
 
 
-class TestLlavaVisionZip(PreLLMContract):
+class TestLlavaVisionZipEveryTokenASlot(PreLLMContract):
     row = pre_llm("llava", {"method": "visionzip", "budget": 4, "options": {"cls_takes_a_slot": False}})
+
+
+class TestLlavaVisionZip(PreLLMContract):
+    """VisionZip's default: the authors' K counts [CLS], so an image keeps K - 1 tokens (of 5: 3 dominant,
+    1 merged), and the prompt holds K - 1 slots: two images at 5 split 3 + 2 and keep 2 + 1, at the
+    wide 8 they keep 3 + 3."""
+
+    row = replace(
+        pre_llm("llava", {"method": "visionzip", "budget": 5}), lengths=(9 + 4, 11 + 3, 11 + 6, 9 + 16, 10)
+    )
+
+    def test_requests_arriving_while_others_decode(self, llm, path):
+        """Arrivals at the engine's budget and with pruning off (the narrow budgets leave no patch)."""
+        cases = [case for case in arrival_cases(self.row) if case[2] is None or case[2] == OFF]
+        results = serve(llm, cases, {0: [0], 2: [1, 2]})
+        for index, case in enumerate(cases):
+            assert results[index] == expected(self.row, path, case), index
+
+    def test_a_budget_leaving_no_patch_is_refused(self, llm):
+        """Two images at a budget of 2 are one token each, which leaves no patch once [CLS] takes its
+        slot: the request is refused."""
+        with pytest.raises(ValueError, match="keeps no token"):
+            generate(llm, [(self.row.two, [self.row.large(0), self.row.small(1)], {"budget": 2})])

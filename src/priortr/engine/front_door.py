@@ -55,10 +55,16 @@ def kept_runs(
     host = plan_on_host(adapter, model_config, config, ids, torch.ones_like(ids, dtype=torch.bool), n_layers)
     if host is None:
         return []
-    return [
-        KeptRun(int(pool.positions[0]), pool.size, min(pool.kept_count(config.stage_layer), pool.size))
-        for pool in host.pools
-    ]
+    runs = []
+    for pool in host.pools:
+        budget = pool.kept_count(config.stage_layer)
+        kept = config.kept_count(budget, pool.size)
+        if kept < 1:
+            raise ValueError(
+                f"{config.method.name} keeps no token of a run of {pool.size} at a budget of {budget}"
+            )
+        runs.append(KeptRun(int(pool.positions[0]), pool.size, kept))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,10 @@ def kept_before_llm(
     ids = torch.tensor([list(prompt)])
     valid = torch.ones_like(ids, dtype=torch.bool)
     n_layers = model_config.get_text_config().num_hidden_layers
+    if config.method.keeps is not None:  # the slots laid out are the kept counts; the plan takes budgets
+        host = plan_on_host(adapter, model_config, config, ids, valid, n_layers, counts=counts)
+        sizes = [pool.size for pool in host.pools] if host is not None else []
+        counts = [config.budget_for(kept, size) for kept, size in zip(counts, sizes, strict=True)]
     plan = plan_prefill(adapter, model_config, config, ids, valid, n_layers, counts=counts, device=device)
     if plan is None or plan.stages != (BEFORE_LLM,):
         raise RuntimeError(

@@ -208,6 +208,12 @@ def check_served(config: PruningConfig) -> None:
                 "plug-in does not gather (it reads the vision tower's [CLS] attention, keys and features, "
                 "and the input embeddings); serve divprune, visionzip, vispruner or a decoder-layer method"
             )
+        if dict(config.options).get("adaptive", False):
+            raise ValueError(
+                f"{method.name} with adaptive=True keeps as many tokens as the tower's [CLS] attention has "
+                "outliers, known only once the tower ran, and vLLM lays a request's prompt out before: "
+                "serve adaptive=False (the budget's K)"
+            )
         return
     if method.where == "layers" or config.stages is not None:
         raise ValueError(
