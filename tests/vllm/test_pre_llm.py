@@ -128,3 +128,64 @@ class TestLlavaVisionZip(PreLLMContract):
         slot: the request is refused."""
         with pytest.raises(ValueError, match="keeps no token"):
             generate(llm, [(self.row.two, [self.row.large(0), self.row.small(1)], {"budget": 2})])
+
+
+@pytest.mark.parametrize(
+    ("fixture", "settings", "message"),
+    [
+        (
+            "llava_dir",
+            {"method": "prumerge", "budget": 4},
+            r"which vLLM does not build .* 1 of the tower's 2",
+        ),
+        ("llava_dir", {"method": "prumerge+", "budget": 4}, r"last layer, which vLLM does not build"),
+        (
+            "qwen_dir",
+            {"method": "visionzip", "budget": 4},
+            r"qwen2-vl model.s vision tower has no \[CLS\] token",
+        ),
+        ("onevision_dir", {"method": "vispruner", "budget": 4}, r"vision tower has no \[CLS\] token"),
+    ],
+)
+def test_evidence_the_tower_does_not_show_is_refused_when_the_model_loads(
+    fixture, settings, message, request
+):
+    """PruMerge ranks by the tower's last layer, which vLLM does not build for LLaVA-1.5 (feature layer
+    -2); Qwen2-VL's and LLaVA-OneVision's towers have no [CLS] token (``priortr.apply`` refuses them
+    alike): the engine refuses to start, naming the reason."""
+    row = replace(next(row for row in FAMILIES.values() if row.fixture == fixture), settings=settings)
+    with pytest.raises(ValueError, match=message):
+        engine(row, request.getfixturevalue(fixture))
+
+
+def divprune(name: str) -> Family:
+    """Family ``name``'s row serving DivPrune at the budget of its decoder-layer method."""
+    return pre_llm(name, {"method": "divprune", "budget": FAMILIES[name].settings["budget"]})
+
+
+class TestQwen2VLDivPrune(PreLLMContract):
+    row = divprune("qwen2-vl")
+
+
+class TestQwen2_5_VLDivPrune(PreLLMContract):
+    row = divprune("qwen2.5-vl")
+
+
+class TestInternVLDivPrune(PreLLMContract):
+    row = divprune("internvl")
+
+
+class TestInternVL3_5DivPrune(PreLLMContract):
+    row = divprune("internvl3.5")
+
+
+class TestLlavaOnevisionDivPrune(PreLLMContract):
+    row = divprune("llava-onevision")
+
+
+class TestLlavaNextDivPrune(PreLLMContract):
+    row = divprune("llava-next")
+
+
+class TestMistral3DivPrune(PreLLMContract):
+    row = divprune("mistral3")
