@@ -17,6 +17,8 @@ import torch
 from vllm import LLM
 
 from priortr.integrations.vllm import models
+from priortr.integrations.vllm.settings import served_settings
+from priortr.integrations.vllm.vision_evidence import evidence_slots
 from tests.vllm.family_contract import (
     ARRIVALS,
     FAMILIES,
@@ -122,6 +124,16 @@ class TestLlavaVisionZip(PreLLMContract):
         results = serve(llm, cases, {0: [0], 2: [1, 2]})
         for index, case in enumerate(cases):
             assert results[index] == expected(self.row, path, case), index
+
+    def test_encoder_cache_counts_the_tower_evidence(self, llm):
+        """A pruned image's cache entry is counted at its N rows plus the rows its riding evidence
+        (features, keys, the [CLS] query) takes at the language model's width."""
+        hf_config = llm.llm_engine.model_config.hf_config
+        slots = evidence_slots(served_settings(hf_config).config, hf_config)(16)
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.encoder_cache_manager
+        generate(llm, [(self.row.one, [self.row.large(20)], None)])
+        assert slots > 0
+        assert 16 + slots in manager.num_embeds_by_hash.values()
 
     def test_a_budget_leaving_no_patch_is_refused(self, llm):
         """Two images at a budget of 2 are one token each, which leaves no patch once [CLS] takes its

@@ -68,6 +68,7 @@ from priortr.engine.config import BEFORE_LLM
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
 from priortr.integrations.vllm.request_layout import recorded_lengths
 from priortr.integrations.vllm.settings import position_limit, served_settings
+from priortr.integrations.vllm.vision_evidence import evidence_slots
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,13 @@ class PruningScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        hf_config = self.vllm_config.model_config.hf_config
+        settings = served_settings(hf_config)
         manager = self.encoder_cache_manager
         if type(manager) is EncoderCacheManager:  # vLLM's own (not a configured or encoder-decoder one)
-            self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size)
+            evidence = None if settings is None else evidence_slots(settings.config, hf_config)
+            self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size, evidence)
         self.refused_sessions: set[str] = set()
-        settings = served_settings(self.vllm_config.model_config.hf_config)
         self.whole_prompts = settings is not None and settings.config.stage_layer != BEFORE_LLM
         """Whether a pruned prompt runs layers 0..L whole (not for a method pruning before the LLM)."""
 

@@ -24,7 +24,7 @@ by, exists only where it is the feature layer; elsewhere PruMerge is refused whe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,28 @@ from priortr.engine.front_door import TowerEvidence
 
 _PROJECTIONS = {"vision": ("q", "k"), "vision_last": ("q_last", "k_last")}
 """The captures of each need that are read off a layer's fused q/k/v projection."""
+
+
+def carried(needs: frozenset[str], width: int, first_token: int) -> tuple[int, int]:
+    """The evidence values a pruned image carries for a method needing ``needs`` from a tower of
+    ``width`` whose first visual token is ``first_token``: per visual token (its features, its keys of
+    each tapped layer) and once (each tapped layer's [CLS] query and the keys before the first visual
+    token)."""
+    layers = len(needs & _PROJECTIONS.keys())
+    return width * (int("features" in needs) + layers), width * (1 + first_token) * layers
+
+
+def evidence_slots(config: PruningConfig, hf_config: Any) -> Callable[[int], int] | None:
+    """Encoder-cache slots (rows of the language model's width) the evidence of a pruned image of N
+    tokens takes beside its N rows, for ``config``'s method on a served model of ``hf_config``; None
+    when nothing rides (``scheduler.py`` has the encoder cache count them)."""
+    needs = config.method.needs & VISION_NEEDS
+    if not needs:
+        return None
+    first = 1 if getattr(hf_config, "vision_feature_select_strategy", "default") == "default" else 0
+    per_token, fixed = carried(needs, hf_config.vision_config.hidden_size, first)
+    row = hf_config.get_text_config().hidden_size
+    return lambda n_tokens: -(-(n_tokens * per_token + fixed) // row)
 
 
 class TowerTaps:
@@ -80,6 +102,7 @@ class TowerTaps:
         self.heads = vision.num_attention_heads
         self.scaling = float(attention.scale)
         self.first_token = 1 if hf_config.vision_feature_select_strategy == "default" else 0
+        self.needs = needs
         self.names = [name for need in sorted(needs) for name in _PROJECTIONS.get(need, ())]
         self.features = "features" in needs
         self.project = model.multi_modal_projector
@@ -158,13 +181,12 @@ class TowerTaps:
     @property
     def per_token(self) -> int:
         """Evidence values each visual token carries after its W embedding values."""
-        return self.width * (int(self.features) + sum(name.startswith("k") for name in self.names))
+        return carried(self.needs, self.width, self.first_token)[0]
 
     @property
     def fixed(self) -> int:
         """Values an image carries once: the [CLS] queries and the keys before the first visual token."""
-        keys = sum(name.startswith("k") for name in self.names)
-        return self.width * (len(self.names) - keys) + self.width * self.first_token * keys
+        return carried(self.needs, self.width, self.first_token)[1]
 
     def unpack(self, row: torch.Tensor, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """An image's embeddings [N, W] and its evidence (views of ``row``) from its packed row."""
