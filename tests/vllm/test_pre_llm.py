@@ -75,8 +75,8 @@ class PreLLMContract:
         for index, (case, answer) in enumerate(zip(cases, answers(outs), strict=True)):
             assert answer == expected(self.row, path, case), index
         assert tuple(len(out.prompt_token_ids) for out in outs) == self.row.lengths
-        for case, answer in zip(cases[:3], answers(outs)[:3], strict=True):  # pruning changed the answers
-            assert answer != hf_tokens(path, *case[:2], None, ANSWER_TOKENS)
+        unpruned = [hf_tokens(path, *case[:2], None, ANSWER_TOKENS) for case in cases[:3]]
+        assert answers(outs)[:3] != unpruned  # pruning changed an answer
 
     def test_survivors_left_where_vllm_merged_them_is_caught(self, llm, path, monkeypatch):
         """Negative control: the survivors get their positions, but the rows keep the first K of each
@@ -191,12 +191,21 @@ class TestInternVL3_5DivPrune(PreLLMContract):
     row = divprune("internvl3.5")
 
 
+def anyres_divprune(name: str) -> Family:
+    """An AnyRes row under DivPrune, every image 56x28 (a 4x8 tile grid): a 28x28 image's one tile is
+    the whole image at the base crop's resolution, so its base and tile tokens are duplicates (22 pairs
+    of its 36 tokens within a cosine distance of 1e-6 on the test checkpoint), which DivPrune's greedy
+    max-min ranks by rounding differences between vLLM's tower and transformers' (docs/serving.md)."""
+    row = divprune(name)
+    return replace(row, small=row.large)
+
+
 class TestLlavaOnevisionDivPrune(PreLLMContract):
-    row = divprune("llava-onevision")
+    row = anyres_divprune("llava-onevision")
 
 
 class TestLlavaNextDivPrune(PreLLMContract):
-    row = divprune("llava-next")
+    row = anyres_divprune("llava-next")
 
 
 class TestMistral3DivPrune(PreLLMContract):
