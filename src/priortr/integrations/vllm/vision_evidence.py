@@ -107,15 +107,13 @@ class TowerTaps:
         self.features = "features" in needs
         self.project = model.multi_modal_projector
         self._captured: dict[str, torch.Tensor] | None = None
-        self._handles = []
+        # the hooks live as long as the model (its modules hold them); they only keep references
         if "vision" in needs:
-            self._handles.append(attention.qkv_proj.register_forward_hook(self._keep_projection("")))
+            attention.qkv_proj.register_forward_hook(self._keep_projection(""))
         if "vision_last" in needs:
-            self._handles.append(
-                layers[-1].self_attn.qkv_proj.register_forward_hook(self._keep_projection("_last"))
-            )
+            layers[-1].self_attn.qkv_proj.register_forward_hook(self._keep_projection("_last"))
         if self.features:
-            self._handles.append(self.project.register_forward_pre_hook(self._keep_features))
+            self.project.register_forward_pre_hook(self._keep_features)
 
     @classmethod
     def of(cls, model: nn.Module, config: PruningConfig, family: str) -> TowerTaps | None:
