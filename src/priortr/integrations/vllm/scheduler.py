@@ -114,9 +114,10 @@ class PruningScheduler(Scheduler):
             evidence = None if settings is None else evidence_slots(settings.config, hf_config)
             self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size, evidence)
         self.refused_sessions: set[str] = set()
-        self.whole_prompts = settings is not None and settings.config.stage_layer != BEFORE_LLM
-        """Whether a pruned prompt runs layers 0..L whole (not for a method pruning before the LLM)."""
+        self.whole_prompts = settings is None or settings.config.stage_layer != BEFORE_LLM
 
+    whole_prompts = True
+    """Whether a pruned prompt runs layers 0..L whole (not for a method pruning before the LLM)."""
     refused_sessions: set[str]
     """The streaming-input sessions whose pruned request was refused, until their end arrives."""
     pruned_tokens = 0
