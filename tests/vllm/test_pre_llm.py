@@ -83,8 +83,8 @@ class PreLLMContract:
         image's embeddings as vLLM merged them; the answer changes."""
         stock = models.shorten_prompts
 
-        def unwritten(step: Any, positions: Any, inputs_embeds: torch.Tensor, *args: Any) -> Any:
-            return stock(step, positions, inputs_embeds.clone(), *args)
+        def unwritten(model: Any, taps: Any, step: Any, positions: Any, inputs_embeds: torch.Tensor) -> Any:
+            return stock(model, taps, step, positions, inputs_embeds.clone())
 
         monkeypatch.setattr(models, "shorten_prompts", unwritten)
         case = step_cases(self.row)[1]
