@@ -61,7 +61,7 @@ def evidence_slots(config: PruningConfig, hf_config: Any) -> Callable[[int], int
 
 
 class TowerTaps:
-    """Permanent hooks on a served LLaVA model's CLIP tower, armed while ``capturing`` runs the encoder:
+    """Hooks on a served LLaVA model's CLIP tower, registered while ``capturing`` runs the encoder:
     the fused q/k/v projection of the feature layer (``vision``) and of the last layer (``vision_last``),
     and the projector's input (``features``), the captures ``priortr.apply`` takes."""
 
@@ -106,14 +106,15 @@ class TowerTaps:
         self.names = [name for need in sorted(needs) for name in _PROJECTIONS.get(need, ())]
         self.features = "features" in needs
         self.project = model.multi_modal_projector
-        self._captured: dict[str, torch.Tensor] | None = None
-        # the hooks live as long as the model (its modules hold them); they only keep references
-        if "vision" in needs:
-            attention.qkv_proj.register_forward_hook(self._keep_projection(""))
-        if "vision_last" in needs:
-            layers[-1].self_attn.qkv_proj.register_forward_hook(self._keep_projection("_last"))
-        if self.features:
-            self.project.register_forward_pre_hook(self._keep_features)
+        self._captured: dict[str, torch.Tensor] = {}
+        self._projections = [
+            (module, suffix)
+            for need, module, suffix in (
+                ("vision", attention.qkv_proj, ""),
+                ("vision_last", layers[-1].self_attn.qkv_proj, "_last"),
+            )
+            if need in needs
+        ]
 
     @classmethod
     def of(cls, model: nn.Module, config: PruningConfig, family: str) -> TowerTaps | None:
@@ -125,8 +126,6 @@ class TowerTaps:
 
     def _keep_projection(self, suffix: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self._captured is None:
-                return
             fused = output[0] if isinstance(output, tuple) else output  # [B, T, 3C]
             query, key, _ = fused.chunk(3, dim=-1)  # as CLIPAttention.forward splits it
             self._captured["q" + suffix] = query[:, :1]  # [B, 1, C]: the [CLS] row is all the engine reads
@@ -135,17 +134,25 @@ class TowerTaps:
         return hook
 
     def _keep_features(self, module: nn.Module, args: tuple) -> None:
-        if self._captured is not None:
-            self._captured["features"] = args[0]  # [B, N, C]
+        self._captured["features"] = args[0]  # [B, N, C]
 
     @contextmanager
     def capturing(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The captures of the encoder calls made inside the block (one batch of images)."""
+        """The captures of the encoder calls made inside the block (one batch of a pruned request's
+        images): the hooks exist only while it runs, so an unpruned image's encoder call runs none."""
         self._captured = {}
+        handles = [
+            module.register_forward_hook(self._keep_projection(suffix))
+            for module, suffix in self._projections
+        ]
+        if self.features:
+            handles.append(self.project.register_forward_pre_hook(self._keep_features))
         try:
             yield self._captured
         finally:
-            self._captured = None
+            for handle in handles:
+                handle.remove()
+            self._captured = {}
 
     def pack(
         self, embeddings: Sequence[torch.Tensor], captured: dict[str, torch.Tensor]
