@@ -233,6 +233,15 @@ def test_scoring_before_the_last_deepstack_layer_is_refused(qwen3_vl_dir):
     config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "fastv", "budget": 4, "layer": 1}})
 
 
+def test_pruning_before_the_language_model_is_refused_with_deepstack(qwen3_vl_dir):
+    """A method pruning before the language model would cut before Qwen3-VL's DeepStack injections:
+    refused when the engine starts, as priortr.apply refuses it (issue 57)."""
+    with pytest.raises(
+        ValueError, match=r"0\.\.1 \(DeepStack\), so divprune cannot prune before the language model"
+    ):
+        config_of(qwen3_vl_dir, hf_overrides={"priortr": {"method": "divprune", "budget": 4}})
+
+
 def test_unserved_family_with_priortr_settings_is_refused(tmp_path):
     """Idefics3 is pruned by priortr.apply, not by the plug-in: with priortr settings the engine refuses
     to start (vLLM would serve it unpruned); without them it starts as vLLM's own model."""
@@ -371,7 +380,9 @@ def test_stock_model_is_untouched(llava_dir):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"method": "visionzip"}, "before the language model"),
+        ({"method": "downsample"}, "by grid, which the vLLM plug-in does not gather"),
+        ({"method": "prumerge", "options": {"adaptive": True}}, r"adaptive=True keeps as many tokens"),
+        ({"method": "prumerge+", "options": {"adaptive": True}}, r"serve adaptive=False"),
         ({"method": "pdrop"}, "several decoder layers"),
         ({"method": "clse"}, "several decoder layers"),
         ({"method": "dart"}, "final_norm, keys evidence"),

@@ -150,7 +150,28 @@ class PruningConfig:
             if self.method.schedule_ratio and isinstance(self.budget, float):
                 return self.method.schedule(self.budget, n_visual, n_layers)
             return self.method.schedule(kept, n_visual, n_layers)
-        return [(BEFORE_LLM if self.method.where == "vision" else self.layer, kept)]
+        return [(self.stage_layer, kept)]
+
+    def kept_count(self, budget: int, n_visual: int) -> int:
+        """The visual tokens a one-stage pool of ``n_visual`` keeps under a count budget of ``budget``:
+        ``min(budget, n_visual)``, unless the method keeps another count (``MethodInfo.keeps``)."""
+        if budget >= n_visual or self.method.keeps is None:
+            return min(budget, n_visual)
+        return self.method.keeps(budget, n_visual, **{**self.method.knobs, **dict(self.options)})
+
+    def budget_for(self, kept: int, n_visual: int) -> int:
+        """The smallest count budget under which a one-stage pool of ``n_visual`` keeps ``kept`` tokens
+        (``kept_count``'s inverse, for a front end that laid out ``kept`` slots)."""
+        for budget in range(kept, n_visual + 1):
+            if self.kept_count(budget, n_visual) == kept:
+                return budget
+        raise ValueError(f"{self.method.name} keeps {kept} of {n_visual} tokens under no budget")
+
+    @property
+    def stage_layer(self) -> int | None:
+        """The layer of a one-stage method's stage: ``BEFORE_LLM`` for a method that prunes the language
+        model's input embeddings, else its scored ``layer`` (None for a method on a schedule)."""
+        return BEFORE_LLM if self.method.where == "vision" else self.layer
 
 
 _CHOICES = {"heads": HEAD_AGGREGATIONS, "posterior_rows": POSTERIOR_ROWS, "multi_image": MULTI_IMAGE}

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from priortr.adapters import FamilyAdapter
-from priortr.adapters.base import VisionProbe
 from priortr.compat.layers import Window
 from priortr.engine.attention import RowSpec, attention_rows, cls_attention, cls_attention_concatenated
 from priortr.engine.config import BEFORE_LLM, VISION_NEEDS, PruningConfig
@@ -54,6 +53,19 @@ from priortr.methods.scoring import aggregate_heads, check_posterior_rows, reduc
 from priortr.methods.value_checks import value_checks
 from priortr.tensors.gathers import stack_views
 from priortr.tensors.host import to_device
+
+
+class TowerShape(Protocol):
+    """What ``vision_evidence`` reads of a vision tower besides its captures: its attention heads, the
+    softmax scale, the first of its tokens that is a visual token and its width. ``VisionProbe``
+    (``priortr.apply``'s hooks) and the front door's ``TowerEvidence`` (the vLLM plug-in's captures)
+    both have them."""
+
+    heads: int
+    scaling: float
+    first_token: int
+    width: int
+
 
 ROW_CHUNK_ELEMENTS = 1 << 24
 """Attention elements of one chunk of text rows (``RowAttention.chunks``): 64 MiB in float32. A chunk
@@ -132,7 +144,7 @@ class Sources:
     rope: tuple[torch.Tensor, ...] | None = None
     window: Window | None = None
     next_window: Window | None = None
-    vision: tuple[VisionProbe, dict[str, torch.Tensor]] | None = None
+    vision: tuple[TowerShape, dict[str, torch.Tensor]] | None = None
     final_norm: torch.nn.Module | None = None
     embeddings: torch.Tensor | None = None
 
@@ -452,7 +464,7 @@ def per_item_prior(prior: torch.Tensor, item_of: torch.Tensor, n_items: int) -> 
 
 def vision_evidence(
     capture: dict[str, torch.Tensor],
-    probe: VisionProbe,
+    probe: TowerShape,
     plan: PrefillPlan,
     group: PoolGroup,
     method: MethodInfo,

@@ -222,7 +222,7 @@ def plan_on_host(
     """Images, pools, stages and attention rows from host copies of the prompt ``input_ids`` and its
     padding mask ``valid`` [B, S]; None when the prompt has no image tokens.
 
-    ``counts`` fixes the tokens each pool keeps at ``config.layer`` (one stage), in pool order, for a
+    ``counts`` fixes the tokens each pool keeps at ``config.stage_layer`` (one stage), in pool order, for a
     caller that laid out that many slots per image already (the vLLM plug-in's prompts); None plans
     them from ``config``'s budget. ``arguments`` are the model call's (its images' grids, for a method
     that reads them: ``adapter.item_grids``)."""
@@ -239,7 +239,7 @@ def plan_on_host(
     if counts is None:
         stages = [config.schedule(group.size, n_layers, group.part) for group in groups]
     else:
-        stages = [[(config.layer, count)] for count in counts]
+        stages = [[(config.stage_layer, count)] for count in counts]
     pools = make_pools(groups, stages, config.separator_offset)
     text_rows, rows_of_pools = None, None
     if config.method.needs & ROW_EVIDENCE:

@@ -77,6 +77,10 @@ class MethodInfo:
         check_knobs: takes every knob by keyword (the defaults filled in) and raises ValueError naming a
             bad value; ``priortr.apply`` calls it, so a value is refused before any forward pass (every
             built-in method with knobs has one).
+        keeps: for a method that keeps another count than its budget K of a pool of n tokens (K < n),
+            ``keeps(K, n, **knobs)`` that count (VisionZip's authors' K counts the [CLS] token, which has
+            no slot); None: K. A front end that lays out the kept tokens before the method runs (the
+            vLLM plug-in) reads it.
     """
 
     name: str
@@ -90,6 +94,7 @@ class MethodInfo:
     rule: Rule | None = None
     layer: int | None = None
     check_knobs: Callable[..., None] | None = None
+    keeps: Callable[..., int] | None = None
 
     @property
     def default_layer(self) -> int | None:
@@ -126,12 +131,13 @@ def register_method(
     schedule_ratio: bool = False,
     layer: int | None = None,
     check_knobs: Callable[..., None] | None = None,
+    keeps: Callable[..., int] | None = None,
 ) -> Callable[[Selector], Selector]:
     """Decorator adding a selector to the registry under ``name``; a duplicate name raises ValueError.
     ``schedule_ratio``: ``MethodInfo.schedule_ratio``; ``layer``: a ``layer`` method's default scored
     layer (``MethodInfo.layer``); ``check_knobs``: the
     check of its knobs' values (``MethodInfo.check_knobs``); without one, a selector with knobs checks
-    their values when it first runs."""
+    their values when it first runs; ``keeps``: ``MethodInfo.keeps``."""
     if where not in WHERE:
         raise ValueError(f"where must be one of {', '.join(WHERE)}; got {where!r}")
     unknown = set(needs) - set(NEEDS)
@@ -157,6 +163,7 @@ def register_method(
                 schedule_ratio=schedule_ratio,
                 layer=layer,
                 check_knobs=check_knobs,
+                keeps=keeps,
             )
         )
         return fn

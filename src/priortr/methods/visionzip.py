@@ -52,6 +52,12 @@ def _check_knobs(*, contextual_ratio: float, cls_takes_a_slot: bool) -> None:
     check_bool("visionzip cls_takes_a_slot", cls_takes_a_slot)
 
 
+def _kept(budget: int, n_visual: int, *, contextual_ratio: float, cls_takes_a_slot: bool) -> int:
+    """The visual tokens VisionZip keeps of ``n_visual`` at a budget of ``budget`` < ``n_visual``: one
+    fewer when [CLS] takes a slot of the authors' K (``MethodInfo.keeps``; 0: the method refuses it)."""
+    return budget - int(cls_takes_a_slot)
+
+
 @register_method(
     "visionzip",
     where="vision",
@@ -59,6 +65,7 @@ def _check_knobs(*, contextual_ratio: float, cls_takes_a_slot: bool) -> None:
     summary="dominant tokens by [CLS] attention plus contextual tokens merged by key similarity",
     source="VisionZip, Yang et al., CVPR 2025",
     check_knobs=_check_knobs,
+    keeps=_kept,
 )
 def visionzip(
     inputs: StageInputs, *, contextual_ratio: float = 10 / 64, cls_takes_a_slot: bool = True

@@ -28,7 +28,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
-from priortr.engine.config import check_injection
+from priortr.engine.config import BEFORE_LLM, check_injection
 from priortr.integrations.vllm.guard import SettingsGuard
 from priortr.integrations.vllm.positions import FamilyLayout
 from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
@@ -271,7 +271,9 @@ class PruningConfigHook(VerifyAndUpdateConfig):
         if scheduler.scheduler_cls is None:
             scheduler.scheduler_cls = SCHEDULER
         setattr(vllm_config.model_config.hf_config, STEP_LIMIT_KEY, step_limit(scheduler))
-        setattr(vllm_config.model_config.hf_config, WHOLE_LIMIT_KEY, whole_prompt_limit(scheduler))
+        if served_settings(vllm_config.model_config.hf_config).config.stage_layer != BEFORE_LLM:
+            # a method pruning before the LLM runs no layer on the whole prompt (pre_llm.py)
+            setattr(vllm_config.model_config.hf_config, WHOLE_LIMIT_KEY, whole_prompt_limit(scheduler))
         chosen = memory_policy(vllm_config.cache_config)
         if chosen is not None:
             logger.info(

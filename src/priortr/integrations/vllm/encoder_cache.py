@@ -12,6 +12,7 @@ an entry's count with the placeholders' before reusing it and refuses a request 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
@@ -34,10 +35,13 @@ def _extra(feature: Any) -> int:
 
 
 class PrunedEncoderCache(EncoderCacheManager):
-    """vLLM's encoder cache manager counting a pruned image's N (module docstring)."""
+    """vLLM's encoder cache manager counting a pruned image's N (module docstring), plus, for a method
+    pruning before the language model, the slots its tower evidence takes beside them (``evidence``:
+    N -> slots, ``vision_evidence.evidence_slots``; issue 57)."""
 
-    def __init__(self, cache_size: int) -> None:
+    def __init__(self, cache_size: int, evidence: Callable[[int], int] | None = None) -> None:
         super().__init__(cache_size)
+        self.evidence = evidence
         self.placeholders_by_hash: dict[str, int] = {}
         """K of each cached pruned image, what the scheduler's reuse check compares."""
         self.checked: dict[str, int] = {}
@@ -56,8 +60,10 @@ class PrunedEncoderCache(EncoderCacheManager):
         Images that the whole cache could never hold at N are counted at K, as vLLM counts them, so
         that their request is still served rather than waiting for room that never comes."""
         features = request.mm_features
-        before = uncounted(request, [i for i in range(input_id) if features[i].identifier not in self.cached])
-        own = _extra(features[input_id])
+        before = sum(
+            self._stored(features[i]) for i in range(input_id) if features[i].identifier not in self.cached
+        )
+        own = self._stored(features[input_id])
         wanted = request.get_num_encoder_embeds(input_id) + num_embeds_to_schedule + before + own
         if wanted > self.cache_size:
             before = own = 0
@@ -68,6 +74,13 @@ class PrunedEncoderCache(EncoderCacheManager):
         for identifier in self.freed:  # evicted to make room: forget their K
             self.placeholders_by_hash.pop(identifier, None)
         return room
+
+    def _stored(self, feature: Any) -> int:
+        """What vLLM does not count of an item's cache entry: N - K of a pruned image, and its evidence."""
+        record = image_record(feature)
+        if record is None or self.evidence is None:
+            return _extra(feature)
+        return _extra(feature) + self.evidence(record.encoded)
 
     def allocate(self, request: Any, input_id: int) -> None:
         """vLLM's allocation, then the N - K more slots ``can_allocate`` found for a pruned image (never

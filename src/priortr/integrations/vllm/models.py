@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from priortr.adapters import adapter_for_type
+from priortr.engine.config import BEFORE_LLM
 from priortr.integrations.vllm.decoder import TextModel
 from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions
 from priortr.integrations.vllm.positions import FamilyLayout, ImageSlots, linear_positions, request_positions
+from priortr.integrations.vllm.pre_llm import shorten_prompts
 from priortr.integrations.vllm.request_records import (
     embedded_tokens,
     image_record,
@@ -44,6 +46,7 @@ from priortr.integrations.vllm.request_records import (
 )
 from priortr.integrations.vllm.settings import served_settings
 from priortr.integrations.vllm.step import ServedModel, StepImage, StepInputs, run_step
+from priortr.integrations.vllm.vision_evidence import TowerTaps
 
 
 def image_runs(is_multimodal: torch.Tensor) -> list[tuple[int, int]]:
@@ -86,9 +89,10 @@ class PruningModel:
             hf_config=hf_config,
             layout=self.layout,
             image_token=adapter.visual_token_ids(hf_config)["image"],
-            text=TextModel(self, config.layer),
+            text=TextModel(self, 0 if config.stage_layer == BEFORE_LLM else config.layer),
         )
         self.make_empty_intermediate_tensors = empty_tensors(self.make_empty_intermediate_tensors)
+        self._taps = TowerTaps.of(self, config, adapter.name)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         """vLLM's encoder outputs; a pruned request's images (vLLM batches only items with the same
@@ -97,7 +101,12 @@ class PruningModel:
         stay [N, D], which vLLM slices to the placeholders of each step: a prefix-cache hit or a chunk
         boundary may fall inside an unpruned image."""
         kept = take_kept(kwargs)  # K per image, a host tensor
-        embeddings = super().embed_multimodal(**kwargs)
+        if kept is None or self._taps is None:
+            embeddings = super().embed_multimodal(**kwargs)
+        else:  # the tower's evidence rides after a pruned image's rows (vision_evidence.py)
+            with self._taps.capturing() as captured:
+                embeddings = super().embed_multimodal(**kwargs)
+            embeddings = self._taps.pack(embeddings, captured)
         if kept is None:
             return embeddings
         return [image.reshape(1, -1).expand(int(k), -1) for image, k in zip(embeddings, kept, strict=True)]
@@ -116,7 +125,9 @@ class PruningModel:
         images, runs = [], iter(image_runs(is_multimodal))
         row = end = 0
         for packed in multimodal_embeddings:  # a pruned request's image [K, N * W], else the step's [n, W]
-            embeddings = packed[0].view(-1, width) if packed.shape[1] > width else packed
+            embeddings, evidence = (
+                self._unpack(packed[0], width) if packed.shape[1] > width else (packed, None)
+            )
             first, taken = None, 0
             while taken < packed.shape[0]:  # its rows in the step, across runs (Mistral 3's image rows)
                 if row == end:
@@ -124,11 +135,18 @@ class PruningModel:
                 first = row if first is None else first
                 rows = min(packed.shape[0] - taken, end - row)
                 row, taken = row + rows, taken + rows
-            images.append(StepImage(first, taken, embeddings))
+            images.append(StepImage(first, taken, embeddings, evidence))
         if any(image.pruned for image in images):
             self._step = StepInputs(input_ids.tolist(), images)
         merged = [image.embeddings[: image.kept_count] for image in images]
         return super().embed_input_ids(input_ids, merged, is_multimodal=is_multimodal)
+
+    def _unpack(self, row: torch.Tensor, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """A pruned image's encoder rows [N, W] and its tower evidence (None: none travels) from its
+        packed row."""
+        if self._taps is None:
+            return row.view(-1, width), None
+        return self._taps.unpack(row, width)
 
     def _encoder_width(self) -> int:
         """The width W of an image's encoder rows as ``embed_multimodal`` returns them: the text width."""
@@ -172,6 +190,11 @@ class PruningModel:
             return handed_on(output, positions)
         if inputs_embeds is None or inputs_embeds.shape[0] < len(step.input_ids):
             raise RuntimeError("priortr: the step's embeddings are fewer than the tokens embed_input_ids saw")
+        if self._served.before_llm:  # the survivors take the prompt's rows, then vLLM's own forward
+            shortened = shorten_prompts(self._served, self._taps, step, positions, inputs_embeds)
+            rope = self.layout.layer_positions(shortened)
+            output = super().forward(None, rope, intermediate_tensors, inputs_embeds, **kwargs)
+            return handed_on(output, shortened)
         injected = self._step_injections(inputs_embeds.shape[0])
         return run_step(self._served, step, positions, inputs_embeds, injected)
 

@@ -48,7 +48,9 @@ Two charges follow what a pruned prompt costs, not its K placeholders per image:
   (``step.py``): the pruned prompts that start in one step hold at most
   ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``, the step the engine's memory profile
   ran) of S together; the processor refuses a prompt whose S alone is more
-  (``processor.check_whole_prompt_limit``).
+  (``processor.check_whole_prompt_limit``). A method pruning before the language model runs no layer on
+  the whole prompt (``pre_llm.py``): its prompts are charged their P scheduled rows only, as vLLM
+  charges them.
 
 vLLM's encoder cache manager is replaced by ``encoder_cache.PrunedEncoderCache``, which counts a pruned
 image at the N embeddings the plug-in stores (docs/serving.md, "What a pruned request is charged").
@@ -63,9 +65,11 @@ from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from priortr.engine.config import BEFORE_LLM
 from priortr.integrations.vllm.encoder_cache import PrunedEncoderCache, uncounted
 from priortr.integrations.vllm.request_records import recorded_lengths
-from priortr.integrations.vllm.settings import position_limit
+from priortr.integrations.vllm.settings import position_limit, served_settings
+from priortr.integrations.vllm.vision_evidence import evidence_slots
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +108,17 @@ class PruningScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        hf_config = self.vllm_config.model_config.hf_config
+        settings = served_settings(hf_config)
         manager = self.encoder_cache_manager
         if type(manager) is EncoderCacheManager:  # vLLM's own (not a configured or encoder-decoder one)
-            self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size)
+            evidence = None if settings is None else evidence_slots(settings.config, hf_config)
+            self.encoder_cache_manager = PrunedEncoderCache(manager.cache_size, evidence)
         self.refused_sessions: set[str] = set()
+        self.whole_prompts = settings is None or settings.config.stage_layer != BEFORE_LLM
 
+    whole_prompts = True
+    """Whether a pruned prompt runs layers 0..L whole (not for a method pruning before the LLM)."""
     refused_sessions: set[str]
     """The streaming-input sessions whose pruned request was refused, until their end arrives."""
     pruned_tokens = 0
@@ -166,7 +176,7 @@ class PruningScheduler(Scheduler):
         if self._splits_prompt(request, num_computed_tokens, num_new_tokens):
             return nothing
         starts = num_computed_tokens == 0 and pruned(request)
-        whole = request.num_prompt_tokens + uncounted(request) if starts else 0  # S
+        whole = request.num_prompt_tokens + uncounted(request) if starts and self.whole_prompts else 0  # S
         if starts and self.pruned_tokens + whole > self.max_num_scheduled_tokens:
             return nothing
         chosen = super()._try_schedule_encoder_inputs(

@@ -23,7 +23,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from priortr.engine.config import PruningConfig, resolve_budget
+from priortr.engine.config import VISION_NEEDS, PruningConfig, resolve_budget
 
 SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""
@@ -102,7 +102,10 @@ def check_settings(settings: object, n_layers: int) -> ServedSettings:
     decoder layers.
 
     Methods served are the one-layer methods ranking from the scored layer's attention with plain
-    top-K pruning (PriorTR, FastV and the other scoring rules); the rest are refused with the reason."""
+    top-K pruning (PriorTR, FastV and the other scoring rules) and the methods pruning before the
+    language model from the vision tower's evidence or the input embeddings (VisionZip, PruMerge(+),
+    VisPruner, DivPrune; the model refuses a tower that does not show what one reads when it loads);
+    the rest are refused with the reason."""
     if not isinstance(settings, Mapping):
         raise ValueError(
             f"the model config's {SETTINGS_KEY!r} must be a dict of priortr.apply's keywords, "
@@ -198,10 +201,20 @@ def check_served(config: PruningConfig) -> None:
     """Refuse a method the plug-in cannot run exactly inside vLLM, saying why."""
     method = config.method
     if method.where == "vision":
-        raise ValueError(
-            f"{method.name} prunes before the language model from the vision tower's evidence, which the "
-            "vLLM plug-in does not gather; serve a decoder-layer method (priortr, fastv, ...)"
-        )
+        missing = sorted(method.needs - VISION_NEEDS)
+        if missing:
+            raise ValueError(
+                f"{method.name} prunes before the language model by {', '.join(missing)}, which the vLLM "
+                "plug-in does not gather (it reads the vision tower's [CLS] attention, keys and features, "
+                "and the input embeddings); serve divprune, visionzip, vispruner or a decoder-layer method"
+            )
+        if dict(config.options).get("adaptive", False):
+            raise ValueError(
+                f"{method.name} with adaptive=True keeps as many tokens as the tower's [CLS] attention has "
+                "outliers, known only once the tower ran, and vLLM lays a request's prompt out before: "
+                "serve adaptive=False (the budget's K)"
+            )
+        return
     if method.where == "layers" or config.stages is not None:
         raise ValueError(
             f"{method.name} prunes at several decoder layers; the vLLM plug-in prunes after one layer "

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from priortr.adapters import FamilyAdapter
-from priortr.engine.config import PruningConfig
+from priortr.engine.config import BEFORE_LLM, PruningConfig
 from priortr.engine.front_door import ScoredLayerTensors, kept_columns
 from priortr.integrations.vllm.decoder import LayerParts, TextModel, request_bounds, unpadded_rows
 from priortr.integrations.vllm.pipeline import handed_on
@@ -62,8 +62,14 @@ class ServedModel:
 
     @property
     def scored(self) -> list[LayerParts]:
-        """Layers 0..L, taken apart."""
+        """Layers 0..L, taken apart (layer 0 alone for a method that prunes before the language model,
+        which reads the step's request bounds from it)."""
         return self.text.scored
+
+    @property
+    def before_llm(self) -> bool:
+        """Whether the method prunes before the language model (``pre_llm.py`` serves its steps)."""
+        return self.config.stage_layer == BEFORE_LLM
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,13 @@ class StepImage:
     """An image scheduled in this step: the batch row of its first placeholder in the step, its
     placeholders in the step and its encoder rows [., D * (1 + J)] (the embeddings, then J DeepStack
     features; see above): a pruned image's N (K placeholders), an unpruned image's rows for its
-    placeholders in the step."""
+    placeholders in the step. ``evidence``: what the vision tower showed of a pruned image, for a method
+    that prunes before the language model and reads it (``vision_evidence.TowerTaps.unpack``)."""
 
     row: int
     kept_count: int
     embeddings: torch.Tensor
+    evidence: dict[str, torch.Tensor] | None = None
 
     @property
     def pruned(self) -> bool:
