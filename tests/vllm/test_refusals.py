@@ -359,8 +359,10 @@ def test_stock_model_is_untouched(llava_dir):
     ("settings", "message"),
     [
         ({"method": "visionzip"}, "before the language model"),
-        ({"method": "pdrop"}, "several decoder layers"),
-        ({"method": "clse"}, "several decoder layers"),
+        ({"method": "sparsevlm"}, "sparsevlm may merge tokens"),
+        ({"method": "pdrop", "request_budgets": [4]}, 'prunes at several layers.*drop "request_budgets"'),
+        ({"method": "priortr", "stages": [[1, 8], [2, 4]], "request_budgets": [4]}, "several layers"),
+        ({"method": "dart", "stages": [[1, 8], [2, 4]]}, "final_norm, keys evidence"),
         ({"method": "dart"}, "final_norm, keys evidence"),
         ({"method": "priortr+merge"}, "merge tokens"),
         ({"method": "priortr", "layer": 3}, r"layer must be an int in \[0, 2\]"),

@@ -142,9 +142,10 @@ class LayerParts:
 
 
 class TextModel:
-    """A served model's language model split at the scored layer ``layer``: ``scored`` (layers
-    0..layer, taken apart) and the layers after it, run whole with the final norm by ``finish``.
-    Every layer is checked when the model loads."""
+    """A served model's language model split at the deepest scored layer ``layer``: ``scored`` (layers
+    0..layer, taken apart) and the layers after it, run whole with the final norm by ``finish``;
+    ``layers`` holds every layer taken apart (a stage that ranks by the next layer's attention projects
+    with it). Every layer is checked when the model loads."""
 
     def __init__(self, model: torch.nn.Module, layer: int) -> None:
         text_model = getattr(getattr(model, "language_model", None), "model", None)
@@ -154,9 +155,8 @@ class TextModel:
                 f".norm; {type(model).__name__} has none"
             )
         layers = list(text_model.layers)
-        self.scored = [LayerParts(each) for each in layers[: layer + 1]]
-        for each in layers[layer + 1 :]:
-            LayerParts(each)  # refuses a layer shape the plug-in does not know, before serving
+        self.layers = [LayerParts(each) for each in layers]  # refuses a layer shape it does not know
+        self.scored = self.layers[: layer + 1]
         self._rest = layers[layer + 1 :]
         self._norm = text_model.norm
 

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from priortr.adapters import adapter_for_type
+from priortr.engine.config import check_grids
+from priortr.engine.front_door import last_stage
 from priortr.integrations.vllm.decoder import TextModel
 from priortr.integrations.vllm.positions import FamilyLayout, ImageSlots, linear_positions, request_positions
 from priortr.integrations.vllm.request_records import (
@@ -78,6 +80,8 @@ class PruningModel:
         hf_config = vllm_config.model_config.hf_config
         config = served_settings(hf_config).config
         adapter = adapter_for_type(hf_config.model_type)
+        if "grid" in config.method.needs:
+            check_grids(config, adapter)  # as priortr.apply refuses a family without token grids
         self._step: StepInputs | None = None
         self._served = ServedModel(
             config=config,
@@ -85,7 +89,7 @@ class PruningModel:
             hf_config=hf_config,
             layout=self.layout,
             image_token=adapter.visual_token_ids(hf_config)["image"],
-            text=TextModel(self, config.layer),
+            text=TextModel(self, last_stage(config, hf_config.get_text_config().num_hidden_layers)),
         )
 
     def embed_multimodal(self, **kwargs: object) -> Any:

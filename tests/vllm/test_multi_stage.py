@@ -1,0 +1,121 @@
+"""Multi-stage methods served (CLSE's three stages, PyramidDrop's schedule, ``stages`` schedules of a
+scoring rule): each family where ``priortr.apply`` runs the method answers as ``apply`` + Hugging Face
+``generate()`` does, and where ``apply`` refuses it the engine refuses it too, with the library's
+message. Every case here was refused on 87afea2 ("prunes at several decoder layers").
+
+The tiny checkpoints have 4 decoder layers: CLSE scores layers 0, 1 and 2 (16 tokens an image keep
+13, 8, then 2 at budget 8), PyramidDrop layers 0, 1 and 2 (16 keep 10, 6, then 4 at budget 4), the
+``stages`` schedule layers 1 and 2 (8, then 4). Qwen3-VL adds DeepStack features to the outputs of
+layers 0 and 1, so only a schedule from layer 1 on applies there (``apply`` refuses the others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import LLM
+
+from priortr.integrations.vllm import step
+from tests.vllm.family_contract import FAMILIES, Family, answers, expected
+from tests.vllm.harness import generate
+from tests.vllm.reference import ENGINE
+
+SCHEDULES = {
+    "clse": {"method": "clse", "budget": 8},
+    "pdrop": {"method": "pdrop", "budget": 4},
+    "stages": {"method": "priortr", "stages": [[1, 8], [2, 4]]},
+}
+"""Each multi-stage method's engine settings (no request budgets: a multi-stage method serves the
+engine's)."""
+GRID_FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl")
+"""The families whose adapter defines an image's token grid, which CLSE's first stage reads."""
+DEEPSTACK = ("qwen3-vl", "qwen3-vl-moe")
+"""The families that add visual features to the outputs of layers 0 and 1 (DeepStack)."""
+
+
+def served(family: str, method: str) -> bool:
+    """Whether ``priortr.apply`` runs ``method`` on ``family``'s tiny checkpoint."""
+    if family in DEEPSTACK:
+        return method == "stages"
+    return method != "clse" or family in GRID_FAMILIES
+
+
+CASES = [(family, method) for family in FAMILIES for method in SCHEDULES if served(family, method)]
+REFUSED = {
+    (family, method): "DeepStack" if family in DEEPSTACK else "defines no grid"
+    for family in FAMILIES
+    for method in SCHEDULES
+    if not served(family, method)
+}
+
+
+def engine(row: Family, path: Path) -> LLM:
+    """An engine serving ``row``'s checkpoint with ``row``'s settings and nothing granted to requests."""
+    return LLM(
+        model=str(path),
+        hf_overrides={"priortr": row.settings},
+        limit_mm_per_prompt=row.limits,
+        **row.engine,
+        **ENGINE,
+    )
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{method}" for family, method in CASES])
+def served_case(request: pytest.FixtureRequest) -> Any:
+    """(the family's row with the method's settings, its checkpoint, an engine serving them)."""
+    family, method = request.param
+    row = replace(FAMILIES[family], settings=SCHEDULES[method])
+    path = request.getfixturevalue(row.fixture)
+    llm = engine(row, path)
+    yield row, path, llm
+    del llm
+
+
+def test_answers_as_apply(served_case):
+    """One image, two images sharing the budget, an unpruned image and a text-only prompt in one step
+    answer as ``apply`` does, each pruned prompt scheduled on text + its last stage's K per image."""
+    row, path, llm = served_case
+    cases = [
+        (row.one, [row.large(0)], None),
+        (row.two, [row.large(1), row.small(2)], None),
+        (row.one, [row.large(5)], {"enabled": False}),
+        (row.text_only, [], None),
+    ]
+    outs = generate(llm, cases)
+    for index, (case, answer) in enumerate(zip(cases, answers(outs), strict=True)):
+        assert answer == expected(row, path, case), index
+    unpruned = generate(llm, [(*cases[0][:2], {"enabled": False})])[0]
+    assert len(outs[0].prompt_token_ids) < len(unpruned.prompt_token_ids)
+
+
+def test_uncompacted_stage_cache_is_caught(served_case, monkeypatch):
+    """Negative control: the first stage cuts the hidden states but leaves the keys and values of the
+    layers it followed uncut (the later cuts then index the wrong tokens of them); the answer
+    changes."""
+    row, path, llm = served_case
+    original = step.cut_prompt
+    calls: list[int] = []
+
+    def first_uncompacted(prompt: Any, keep: Any) -> Any:
+        calls.append(len(prompt.keys))
+        cut = original(prompt, keep)
+        if len(calls) > 1:
+            return cut
+        return replace(cut, keys=prompt.keys, values=prompt.values)
+
+    monkeypatch.setattr(step, "cut_prompt", first_uncompacted)
+    case = (row.one, [row.large(0)], None)
+    assert answers(generate(llm, [case])) != [expected(row, path, case)]
+    assert len(calls) > 1  # a stage after the faulty one indexed its keys and values
+
+
+@pytest.mark.parametrize(("family", "method"), list(REFUSED), ids=[f"{f}-{m}" for f, m in REFUSED])
+def test_refused_where_apply_refuses(family, method, request):
+    """Where ``apply`` refuses the method (a family without token grids for CLSE, a stage before the
+    last DeepStack injection), the engine refuses it when it starts, with the library's message."""
+    row = replace(FAMILIES[family], settings=SCHEDULES[method])
+    with pytest.raises(Exception, match=REFUSED[family, method]):
+        engine(row, request.getfixturevalue(row.fixture))
