@@ -3,13 +3,18 @@ states the model returns. Planned on the host once, then layers 0..L on each pru
 library's method's choice at layer L, and the step's batch through every layer with the kept keys and
 values. ``models.py`` holds vLLM's hooks; they hand a step here once (``run_step``).
 
+L is the deepest layer the model's settings score: a one-layer method's, or the last stage of a
+multi-stage method (CLSE, PyramidDrop, ``stages``), whose earlier stages each cut the prompt on the way
+(``prefill_prompt``), as ``priortr.apply``'s cuts compact its cache, so that after layer L every layer
+holds the same survivors.
+
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
-K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
-through layers 0..L once, as one causal sequence outside the paged cache; layer L's queries, keys and
-output go through the engine's front door (``priortr.engine.front_door.kept_columns``), which plans the
-prompt with the library's own constructor and runs the stage core ``priortr.apply`` runs (the same
-evidence, selection, checks and cut). What survives is the
-prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
+K placeholders per image (K: what the image keeps after its last stage). For a pruned request the
+full prompt (text + N tokens per image) runs through layers 0..L once, as one causal sequence outside
+the paged cache; each scored layer's queries, keys and output go through the engine's front door
+(``priortr.engine.front_door.StagedPrompt``), which plans the prompt with the library's own
+constructor and runs the stage core ``priortr.apply`` runs (the same evidence, selection, checks and
+cut). What survives is the prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
 layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
 (Mistral 3's row breaks) is scheduled right after the image's K slots (``request_records.shrink_prompt``) and
 put back between the image's rows in the full prompt, where the library scores and keeps it as text.
