@@ -14,10 +14,11 @@ full prompt (text + N tokens per image) runs through layers 0..L once, as one ca
 the paged cache; each scored layer's queries, keys and output go through the engine's front door
 (``priortr.engine.front_door.StagedPrompt``), which plans the prompt with the library's own
 constructor and runs the stage core ``priortr.apply`` runs (the same evidence, selection, checks and
-cut). What survives is the prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
-layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
-(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_records.shrink_prompt``) and
-put back between the image's rows in the full prompt, where the library scores and keeps it as text.
+cut). What survives is the prompt's text and the kept visual tokens, exactly as many as the
+scheduled rows: their keys/values of layers 0..L, their hidden state after layer L and their original
+positions. Text inside an image's layout (Mistral 3's row breaks) is scheduled right after the image's
+K slots (``request_records.shrink_prompt``) and put back between the image's rows in the full prompt,
+where the library scores and keeps it as text.
 
 The batch (``run_step``): layers 0..L run on the rows vLLM computes (everything but the pruned
 prompts) while the pruned prompts' kept keys/values enter the paged cache through vLLM's attention
