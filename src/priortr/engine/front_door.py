@@ -6,11 +6,11 @@ into its paged cache) reaches it here, and only here, with plain values and tens
 
 * ``kept_runs``: before the prompt is scheduled, the runs of visual tokens ``priortr.apply`` prunes in a
   prompt and how many tokens each keeps (the budget split, and the prompt checks, of ``apply``);
-* ``kept_columns``: after the front end ran the scored layer, the columns of the prompt that survive it,
-  chosen by the method through the stage core every front end shares (``priortr.engine.stage``);
-* ``StagedPrompt``: a prompt of a method that prunes at several layers (CLSE, PyramidDrop, ``stages``),
-  planned once and fed stage by stage as the front end runs its layers, each stage's survivors chosen
-  by that same stage core (``last_stage``: the deepest layer such a method scores).
+* ``StagedPrompt``: the prompt planned once and fed stage by stage as the front end runs its layers
+  (one stage for a one-layer method; CLSE's, PyramidDrop's or a ``stages`` schedule's several): after
+  the front end ran a scored layer, the columns of the prompt's current tokens that survive it, chosen
+  by the method through the stage core every front end shares (``priortr.engine.stage``);
+  ``last_stage`` is the deepest layer a configuration scores.
 
 Both plan the prompt with the plan's one constructor (``priortr.engine.plan``), so a front end never
 builds the engine's types itself (``tests/unit/test_layout.py`` holds ``integrations/`` to this module
@@ -85,26 +85,6 @@ class ScoredLayerTensors:
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def kept_columns(
-    adapter: FamilyAdapter,
-    model_config: object,
-    config: PruningConfig,
-    prompt: Sequence[int],
-    counts: Sequence[int],
-    scored: ScoredLayerTensors,
-) -> torch.Tensor:
-    """The columns [P] of ``prompt`` (token ids, every image laid out with all its tokens) that survive
-    ``config``'s one stage at its scored layer, ascending: its text and the kept visual tokens, chosen
-    by the method from ``scored`` through the stage core ``priortr.apply`` runs (``StagedPrompt`` of a
-    one-layer method). ``counts`` are the tokens each run keeps (``kept_runs``' counts, as the front
-    end laid the prompt out), in prompt order."""
-    staged = StagedPrompt(adapter, model_config, config, prompt, counts, device=scored.output.device)
-    if staged.layers != (config.layer,):
-        raise RuntimeError("priortr: the planned prompt lost its images or its scored layer")
-    kept = staged.cut(config.layer, scored)
-    return torch.arange(len(prompt), device=scored.output.device) if kept is None else kept
-
-
 def last_stage(config: PruningConfig, n_layers: int) -> int:
     """The deepest decoder layer ``config`` scores in a language model of ``n_layers`` layers, for any
     image: a front end runs the layers up to it outside its cache. A schedule's layers depend on the
@@ -114,12 +94,13 @@ def last_stage(config: PruningConfig, n_layers: int) -> int:
 
 class StagedPrompt:
     """One prompt of S tokens (token ids, every image laid out with all its tokens) planned for every
-    stage of ``config``, for a front end that runs the decoder layers itself and feeds the stages as
-    it goes: after the layer a stage scores (``layers``) ran on the prompt's current tokens, ``cut``
-    takes that layer's tensors and returns which of those tokens survive. Between stages the state the
-    stages left (``StageState``: the pools' survivors and the map of the current sequence) stays here,
-    as ``priortr.apply``'s prefill keeps it; each stage is the stage core ``priortr.apply`` runs
-    (``priortr.engine.stage.run_stage``), on the evidence the front end's tensors give.
+    stage of ``config`` (one, or a schedule's several), for a front end that runs the decoder layers
+    itself and feeds the stages as it goes: after the layer a stage scores (``layers``) ran on the
+    prompt's current tokens, ``cut`` takes that layer's tensors and returns which of those tokens
+    survive. Between stages the state the stages left (``StageState``: the pools' survivors and the map
+    of the current sequence) stays here, as ``priortr.apply``'s prefill keeps it; each stage is the
+    stage core ``priortr.apply`` runs (``priortr.engine.stage.run_stage``), on the evidence the front
+    end's tensors give.
 
     ``counts`` are the tokens each run keeps after its last stage (``kept_runs``' counts, as the front
     end laid the prompt out): a one-layer method's plan takes them as its budgets (a request's own
