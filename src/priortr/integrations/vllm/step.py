@@ -294,7 +294,9 @@ def prefill_prompt(model: ServedModel, prompt: PrunedPrompt, inputs_embeds: torc
             f"priortr: the model's language model was split after layer {len(model.scored) - 1}, and a "
             f"stage of its settings scores layer {staged.layers[-1]}"
         )
-    embedded = hidden[None] if staged.reads_embeddings else None  # [1, S, D] the input of layer 0
+    # [1, S, D] the input of layer 0, copied: it is layer 0's residual stream, which vLLM's fused
+    # add-norm may update in place (its GPU kernels do; the CPU build's does not)
+    embedded = hidden.clone()[None] if staged.reads_embeddings else None
     positions = prompt.positions.to(device)  # [3, S'] the current tokens' original positions
     rope_positions = model.layout.layer_positions(positions)
     residual = None
