@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from vllm import LLM
 
-from priortr.integrations.vllm import step
+from priortr.integrations.vllm import decoder, step
 from tests.vllm.family_contract import FAMILIES, Family, answers, expected
 from tests.vllm.harness import generate
 from tests.vllm.reference import ENGINE
@@ -110,6 +110,23 @@ def test_uncompacted_stage_cache_is_caught(served_case, monkeypatch):
     case = (row.one, [row.large(0)], None)
     assert answers(generate(llm, [case])) != [expected(row, path, case)]
     assert len(calls) > 1  # a stage after the faulty one indexed its keys and values
+
+
+def test_residual_updated_in_place_as_on_a_gpu(served_case, monkeypatch):
+    """vLLM's fused add-norm writes the residual sum into its residual argument on a GPU (the
+    ``vllm_c`` impl is in place; the CPU build's is not), and layer 0's residual stream is the
+    prompt's embeddings, which CLSE's stages read: emulated here, every method still answers as
+    ``apply`` does."""
+    row, path, llm = served_case
+    original = decoder.LayerParts.output
+
+    def in_place(self: Any, attended: Any, residual: Any) -> Any:
+        hidden, summed = original(self, attended, residual)
+        return hidden, residual.copy_(summed)
+
+    monkeypatch.setattr(decoder.LayerParts, "output", in_place)
+    case = (row.one, [row.large(0)], None)
+    assert answers(generate(llm, [case])) == [expected(row, path, case)]
 
 
 @pytest.mark.parametrize(("family", "method"), list(REFUSED), ids=[f"{f}-{m}" for f, m in REFUSED])
