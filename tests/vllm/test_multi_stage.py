@@ -30,8 +30,10 @@ SCHEDULES = {
 }
 """Each multi-stage method's engine settings (no request budgets: a multi-stage method serves the
 engine's)."""
-GRID_FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl")
-"""The families whose adapter defines an image's token grid, which CLSE's first stage reads."""
+NO_GRID = ("internvl", "internvl3.5", "llava-onevision", "llava-next", "mistral3")
+"""The families whose adapter defines no token grid for an image, which CLSE's first stage reads
+(``FamilyAdapter.token_grids``): tiles, AnyRes crops, Mistral 3's row breaks. A new family is held to
+serve CLSE unless it is listed here."""
 DEEPSTACK = ("qwen3-vl", "qwen3-vl-moe")
 """The families that add visual features to the outputs of layers 0 and 1 (DeepStack)."""
 
@@ -40,7 +42,7 @@ def served(family: str, method: str) -> bool:
     """Whether ``priortr.apply`` runs ``method`` on ``family``'s tiny checkpoint."""
     if family in DEEPSTACK:
         return method == "stages"
-    return method != "clse" or family in GRID_FAMILIES
+    return method != "clse" or family not in NO_GRID
 
 
 CASES = [(family, method) for family in FAMILIES for method in SCHEDULES if served(family, method)]
