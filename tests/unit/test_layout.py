@@ -257,7 +257,7 @@ def test_the_negative_control_finds_an_integration_past_the_front_door(tmp_path)
         "from priortr.engine.attention import RowSpec\n"
         "from priortr.engine import evidence\n"
         "import priortr.engine.plan\n"
-        "from priortr.engine.front_door import kept_columns\n"
+        "from priortr.engine.front_door import StagedPrompt\n"
         "from priortr.engine.config import PruningConfig\n"
         "def run():\n"
         "    from priortr.engine.stage import run_stage\n"

@@ -4,7 +4,7 @@ and KV cache, and the one stage core every front end runs.
 It attaches PyTorch module hooks to a stock transformers model (no copied modeling code). A front end
 that runs the decoder layers itself reaches it through ``front_door`` alone (the vLLM plug-in, which
 runs layers 0..L of a pruned prompt and writes the kept tokens' keys and values into vLLM's paged cache
-itself: ``kept_runs``, ``kept_columns``). Its parts, in the order a prefill meets them:
+itself: ``kept_runs``, ``StagedPrompt``). Its parts, in the order a prefill meets them:
 
 * ``hooks``: the wiring. One permanent pre-hook on the multimodal model; per-layer hooks are armed for
   a pruned prefill only, so decode steps run none.

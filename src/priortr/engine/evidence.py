@@ -153,6 +153,11 @@ class Sources:
         """The current sequence, as the stages before this one left it."""
         return self.state.sequence
 
+    @property
+    def layer(self) -> int:
+        """The layer the stage scores (-1: before the language model), as its scored layer tells."""
+        return BEFORE_LLM if self.scored is None else self.scored.index
+
     @memo
     def text_attention(self) -> RowAttention:
         """The recomputed text rows at the scored layer (``attention``) or the layer after it
@@ -271,7 +276,7 @@ def embedding_fields(sources: Sources, group: PoolGroup) -> dict[str, torch.Tens
 def grid_fields(sources: Sources, group: PoolGroup) -> dict[str, Any]:
     """Each pool's image grid (h, w) at the pool's first stage, None at its later ones (``grids``): the
     grid a stage's cut has thinned out is no longer whole."""
-    layer = BEFORE_LLM if sources.scored is None else sources.scored.index
+    layer = sources.layer
     return {"grids": tuple(pool.items[0].grid if layer == pool.layers[0] else None for pool in group.pools)}
 
 

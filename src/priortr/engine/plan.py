@@ -218,6 +218,7 @@ def plan_on_host(
     n_layers: int,
     counts: Sequence[int] | None = None,
     arguments: Mapping[str, Any] | None = None,
+    read_grids: bool = True,
 ) -> HostPlan | None:
     """Images, pools, stages and attention rows from host copies of the prompt ``input_ids`` and its
     padding mask ``valid`` [B, S]; None when the prompt has no image tokens.
@@ -225,11 +226,12 @@ def plan_on_host(
     ``counts`` fixes the tokens each pool keeps at ``config.stage_layer`` (one stage), in pool order, for a
     caller that laid out that many slots per image already (the vLLM plug-in's prompts); None plans
     them from ``config``'s budget. ``arguments`` are the model call's (its images' grids, for a method
-    that reads them: ``adapter.item_grids``)."""
+    that reads them: ``adapter.item_grids``); ``read_grids=False`` leaves the grids unread, for a caller
+    that only counts the tokens kept (``front_door.kept_runs``), which no grid changes."""
     items = adapter.visual_items(model_config, input_ids)
     if not items:
         return None
-    if "grid" in config.method.needs:
+    if read_grids and "grid" in config.method.needs:
         items = adapter.item_grids(model_config, items, arguments or {})
     batch, seq = input_ids.shape
     visual = torch.zeros(batch, seq, dtype=torch.bool)

@@ -161,11 +161,12 @@ class LayerParts:
 
 
 class TextModel:
-    """A served model's language model split at the scored layer ``layer``: ``scored`` (layers
-    0..layer, taken apart) and the layers after it on this pipeline stage, run whole by ``finish``
-    with the final norm on the last stage. Under pipeline parallelism the scored layers must be on the
-    first stage (``config_hooks`` refuses the rest when the engine starts); a later stage has none.
-    Every layer of the stage is checked when the model loads."""
+    """A served model's language model split at the deepest scored layer ``layer``: ``scored`` (layers
+    0..layer, taken apart) and the layers after it on this pipeline stage, run whole by ``finish`` with
+    the final norm on the last stage; ``layers`` holds every layer of the first stage taken apart (a
+    stage that ranks by the next layer's attention projects with it). Under pipeline parallelism the
+    scored layers must be on the first stage (``config_hooks`` refuses the rest when the engine starts);
+    a later stage has none. Every layer of the stage is checked when the model loads."""
 
     def __init__(self, model: torch.nn.Module, layer: int) -> None:
         text_model = getattr(getattr(model, "language_model", None), "model", None)
@@ -182,10 +183,10 @@ class TextModel:
                 f"priortr's vLLM plug-in scores layer {layer} on the first pipeline stage, which holds "
                 f"layers 0..{end - 1}"
             )
-        self.scored = [LayerParts(each) for each in layers[: layer + 1]] if start == 0 else []
+        checked = [LayerParts(each) for each in layers[start:end]]  # refuses a layer shape it does not know
+        self.layers = checked if start == 0 else []
+        self.scored = self.layers[: layer + 1]
         self._rest = layers[max(start, layer + 1) : end]
-        for each in self._rest:
-            LayerParts(each)  # refuses a layer shape the plug-in does not know, before serving
         self._norm = text_model.norm
 
     def finish(

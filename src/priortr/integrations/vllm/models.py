@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from priortr.adapters import adapter_for_type
-from priortr.engine.config import BEFORE_LLM
+from priortr.engine.config import check_grids
+from priortr.engine.front_door import last_stage
 from priortr.integrations.vllm.decoder import TextModel
 from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions
 from priortr.integrations.vllm.positions import FamilyLayout, ImageSlots, linear_positions, request_positions
@@ -82,6 +83,8 @@ class PruningModel:
         hf_config = vllm_config.model_config.hf_config
         config = served_settings(hf_config).config
         adapter = adapter_for_type(hf_config.model_type)
+        if "grid" in config.method.needs:
+            check_grids(config, adapter)  # as priortr.apply refuses a family without token grids
         self._step: StepInputs | None = None
         self._served = ServedModel(
             config=config,
@@ -89,7 +92,9 @@ class PruningModel:
             hf_config=hf_config,
             layout=self.layout,
             image_token=adapter.visual_token_ids(hf_config)["image"],
-            text=TextModel(self, 0 if config.stage_layer == BEFORE_LLM else config.layer),
+            # split after the deepest scored layer; at layer 0 for a method pruning before the language
+            # model, whose step reads its requests' bounds there
+            text=TextModel(self, max(last_stage(config, hf_config.get_text_config().num_hidden_layers), 0)),
         )
         self.make_empty_intermediate_tensors = empty_tensors(self.make_empty_intermediate_tensors)
         self._taps = TowerTaps.of(self, config, adapter.name)

@@ -44,13 +44,13 @@ Two charges follow what a pruned prompt costs, not its K placeholders per image:
   images' N do not fit what the step has left waits for a later step, unless it is the step's first
   encoder work (the whole budget left), so that a prompt whose images exceed the budget is
   still served, alone;
-* layers 0..L run on the whole prompt S = P + the images' N - K outside the step's token budget
-  (``step.py``): the pruned prompts that start in one step hold at most
-  ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``, the step the engine's memory profile
-  ran) of S together; the processor refuses a prompt whose S alone is more
-  (``processor.check_whole_prompt_limit``). A method pruning before the language model runs no layer on
-  the whole prompt (``pre_llm.py``): its prompts are charged their P scheduled rows only, as vLLM
-  charges them.
+* layers 0..L (a multi-stage method: up to its deepest stage, each stage leaving fewer tokens) run
+  on the whole prompt S = P + the images' N - K outside the step's token budget (``step.py``): the
+  pruned prompts that start in one step hold at most ``max_num_scheduled_tokens``
+  (``--max-num-batched-tokens``, the step the engine's memory profile ran) of S together; the
+  processor refuses a prompt whose S alone is more (``processor.check_whole_prompt_limit``). A method
+  pruning before the language model runs no layer on the whole prompt (``pre_llm.py``): its prompts
+  are charged their P scheduled rows only, as vLLM charges them.
 
 vLLM's encoder cache manager is replaced by ``encoder_cache.PrunedEncoderCache``, which counts a pruned
 image at the N embeddings the plug-in stores (docs/serving.md, "What a pruned request is charged").

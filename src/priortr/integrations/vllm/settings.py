@@ -29,13 +29,17 @@ SETTINGS_KEY = "priortr"
 """The key of the settings in the model's config and in a request's ``mm_processor_kwargs``."""
 
 CONFIG_KEYS = frozenset(
-    {"method", "budget", "layer", "options", "heads", "posterior_rows", "separator_offset", "seed"}
+    {"method", "budget", "layer", "stages", "options", "heads", "posterior_rows", "separator_offset", "seed"}
 )
 POLICY_KEYS = frozenset({"request_budgets", "request_processor_kwargs", "request_media_io_kwargs"})
 ENGINE_KEYS = CONFIG_KEYS | POLICY_KEYS
 REQUEST_KEYS = frozenset({"budget", "enabled"})
-SERVED_EVIDENCE = frozenset({"attention", "text_rows"})
-"""Evidence the plug-in gathers at the scored layer: the recomputed attention rows."""
+SERVED_EVIDENCE = frozenset({"attention", "text_rows", "next_attention", "input_embeddings", "grid"})
+"""Evidence the plug-in gathers at a scored layer: the recomputed attention rows of that layer or of
+the layer after it, the prompt's input of layer 0 and each image's grid."""
+TOP_K_SCHEDULES = frozenset({"clse", "pdrop", "pdrop+priortr"})
+"""Methods with a schedule of their own that keep each stage's top-K tokens and merge none (read in
+their selectors, ``priortr.methods.clse`` / ``pdrop``); SparseVLM recycles pruned tokens as merges."""
 STEP_LIMIT_KEY = "priortr_step_tokens"
 """The model config's attribute holding the longest prompt the engine schedules in one step, set by
 the config hook (``config_hooks.step_limit``): a pruned prompt's prefill is one step."""
@@ -101,11 +105,12 @@ def check_settings(settings: object, n_layers: int) -> ServedSettings:
     """The checked config and request policy of a config's ``priortr`` settings, for ``n_layers``
     decoder layers.
 
-    Methods served are the one-layer methods ranking from the scored layer's attention with plain
-    top-K pruning (PriorTR, FastV and the other scoring rules) and the methods pruning before the
-    language model from the vision tower's evidence or the input embeddings (VisionZip, PruMerge(+),
-    VisPruner, DivPrune; the model refuses a tower that does not show what one reads when it loads);
-    the rest are refused with the reason."""
+    Methods served are the one-layer methods ranking from a scored layer's attention with plain top-K
+    pruning (PriorTR, FastV and the other scoring rules), ``stages`` schedules of them, CLSE and
+    PyramidDrop, and the methods pruning before the language model from the vision tower's evidence or
+    the input embeddings (VisionZip, VisPruner, DivPrune, PruMerge(+) where the tower shows its last
+    layer; the model refuses a tower that does not show what one reads when it loads); the rest are
+    refused with the reason."""
     if not isinstance(settings, Mapping):
         raise ValueError(
             f"the model config's {SETTINGS_KEY!r} must be a dict of priortr.apply's keywords, "
@@ -119,7 +124,14 @@ def check_settings(settings: object, n_layers: int) -> ServedSettings:
         )
     config = PruningConfig.of(n_layers=n_layers, **{k: v for k, v in settings.items() if k in CONFIG_KEYS})
     check_served(config)
-    return ServedSettings(config, request_policy(settings))
+    policy = request_policy(settings)
+    if policy.budgets and (config.stages is not None or config.method.schedule is not None):
+        raise ValueError(
+            f"{config.method.name} prunes at several layers, whose counts the step plans from the engine's "
+            "budget (a request's budget reaches it only as its last stage's slots); serve its requests at "
+            'the engine\'s budget: drop "request_budgets"'
+        )
+    return ServedSettings(config, policy)
 
 
 @dataclass(frozen=True)
@@ -215,22 +227,18 @@ def check_served(config: PruningConfig) -> None:
                 "serve adaptive=False (the budget's K)"
             )
         return
-    if method.where == "layers" or config.stages is not None:
-        raise ValueError(
-            f"{method.name} prunes at several decoder layers; the vLLM plug-in prunes after one layer "
-            "(each stage would need its own KV rewrite); serve a one-layer method"
-        )
     missing = sorted(method.needs - SERVED_EVIDENCE)
     if missing:
         raise ValueError(
             f"{method.name} needs {', '.join(missing)} evidence, which the vLLM plug-in does not gather "
-            "(it recomputes the scored layer's attention rows only); serve priortr, fastv or another "
-            "scoring rule"
+            "(it recomputes attention rows and reads the input embeddings and image grids only); serve "
+            "priortr, fastv or another scoring rule, clse or pdrop"
         )
-    if method.rule is None:
+    if method.rule is None and method.name not in TOP_K_SCHEDULES:
         raise ValueError(
             f"{method.name} may merge tokens, which the vLLM plug-in does not write into the paged cache; "
-            "serve a scoring rule (priortr, fastv, prior, posterior, diff, logratio, entropy, random)"
+            "serve a scoring rule (priortr, fastv, prior, posterior, diff, logratio, entropy, random), "
+            "clse or pdrop"
         )
 
 

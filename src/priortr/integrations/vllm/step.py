@@ -3,16 +3,22 @@ states the model returns. Planned on the host once, then layers 0..L on each pru
 library's method's choice at layer L, and the step's batch through every layer with the kept keys and
 values. ``models.py`` holds vLLM's hooks; they hand a step here once (``run_step``).
 
+L is the deepest layer the model's settings score: a one-layer method's, or the last stage of a
+multi-stage method (CLSE, PyramidDrop, ``stages``), whose earlier stages each cut the prompt on the way
+(``prefill_prompt``), as ``priortr.apply``'s cuts compact its cache, so that after layer L every layer
+holds the same survivors.
+
 A step mixes requests: decodes, unpruned prefills, and pruned prefills whose scheduled rows are text +
-K placeholders per image. For a pruned request the full prompt (text + N tokens per image) runs
-through layers 0..L once, as one causal sequence outside the paged cache; layer L's queries, keys and
-output go through the engine's front door (``priortr.engine.front_door.kept_columns``), which plans the
-prompt with the library's own constructor and runs the stage core ``priortr.apply`` runs (the same
-evidence, selection, checks and cut). What survives is the
-prompt's text and the kept visual tokens, exactly as many as the scheduled rows: their keys/values of
-layers 0..L, their hidden state after layer L and their original positions. Text inside an image's layout
-(Mistral 3's row breaks) is scheduled right after the image's K slots (``request_records.shrink_prompt``) and
-put back between the image's rows in the full prompt, where the library scores and keeps it as text.
+K placeholders per image (K: what the image keeps after its last stage). For a pruned request the
+full prompt (text + N tokens per image) runs through layers 0..L once, as one causal sequence outside
+the paged cache; each scored layer's queries, keys and output go through the engine's front door
+(``priortr.engine.front_door.StagedPrompt``), which plans the prompt with the library's own
+constructor and runs the stage core ``priortr.apply`` runs (the same evidence, selection, checks and
+cut). What survives is the prompt's text and the kept visual tokens, exactly as many as the
+scheduled rows: their keys/values of layers 0..L, their hidden state after layer L and their original
+positions. Text inside an image's layout (Mistral 3's row breaks) is scheduled right after the image's
+K slots (``request_records.shrink_prompt``) and put back between the image's rows in the full prompt,
+where the library scores and keeps it as text.
 
 The batch (``run_step``): layers 0..L run on the rows vLLM computes (everything but the pruned
 prompts) while the pruned prompts' kept keys/values enter the paged cache through vLLM's attention
@@ -40,7 +46,7 @@ import torch
 
 from priortr.adapters import FamilyAdapter
 from priortr.engine.config import BEFORE_LLM, PruningConfig
-from priortr.engine.front_door import ScoredLayerTensors, kept_columns
+from priortr.engine.front_door import ScoredLayerTensors, StagedPrompt
 from priortr.integrations.vllm.decoder import LayerParts, TextModel, request_bounds, unpadded_rows
 from priortr.integrations.vllm.pipeline import handed_on
 from priortr.integrations.vllm.positions import FamilyLayout
@@ -121,8 +127,9 @@ class PrunedPrompt:
 
 @dataclass(frozen=True)
 class KeptPrompt:
-    """A pruned prompt after layer L, at its P surviving tokens (prompt order): keys and values [P, .]
-    of layers 0..L, hidden state and residual [P, D], positions [3, P]."""
+    """A pruned prompt's surviving tokens (prompt order) after the layers run so far: keys and values
+    [P, .] of those layers, hidden state and residual [P, D], positions [3, P]; after layer L, its P
+    scheduled tokens."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -261,7 +268,16 @@ def _plan_prompt(
 
 @torch.no_grad()
 def prefill_prompt(model: ServedModel, prompt: PrunedPrompt, inputs_embeds: torch.Tensor) -> KeptPrompt:
-    """Layers 0..L on the whole prompt, the method's choice at layer L, and the surviving tokens."""
+    """Layers 0..L on the prompt outside the paged cache, the method's stages among them, and the
+    surviving tokens.
+
+    The whole prompt enters layer 0; after each layer a stage scores (``StagedPrompt.layers``: the
+    one-layer methods' L, or every stage of CLSE, PyramidDrop, ``stages``), the method's choice cuts
+    the prompt's tokens to its survivors: their hidden states, residuals and positions, and the keys
+    and values of every layer run so far, as ``priortr.apply``'s cut compacts its cache. The layers
+    after a stage run on its survivors alone (causal among them, at their original positions). After
+    layer L (the deepest stage the model's settings score) the survivors are the P tokens the prompt
+    was scheduled on."""
     device = inputs_embeds.device
     length, width = len(prompt.token_ids), inputs_embeds.shape[1]
     hidden = inputs_embeds.new_empty(length, width)  # [S, D]
@@ -274,10 +290,28 @@ def prefill_prompt(model: ServedModel, prompt: PrunedPrompt, inputs_embeds: torc
         hidden.index_copy_(0, index, rows[:, :width])
         if levels:
             injected.index_copy_(1, index, rows[:, width:].unflatten(1, (levels, width)).transpose(0, 1))
-    positions = prompt.positions.to(device)  # [3, S]
+    staged = StagedPrompt(
+        model.adapter,
+        model.hf_config,
+        model.config,
+        prompt.token_ids,
+        prompt.counts,
+        positions=prompt.positions,
+        device=device,
+    )
+    if staged.layers and staged.layers[-1] > len(model.scored) - 1:
+        raise RuntimeError(
+            f"priortr: the model's language model was split after layer {len(model.scored) - 1}, and a "
+            f"stage of its settings scores layer {staged.layers[-1]}"
+        )
+    # [1, S, D] the input of layer 0, copied: it is layer 0's residual stream, which vLLM's fused
+    # add-norm may update in place (its GPU kernels do; the CPU build's does not)
+    embedded = hidden.clone()[None] if staged.reads_embeddings else None
+    positions = prompt.positions.to(device)  # [3, S'] the current tokens' original positions
     rope_positions = model.layout.layer_positions(positions)
     residual = None
-    keys, values = [], []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for index, parts in enumerate(model.scored):
         normed, residual = parts.attention_input(hidden, residual)
         q, k, v = parts.project(normed, rope_positions)
@@ -286,43 +320,70 @@ def prefill_prompt(model: ServedModel, prompt: PrunedPrompt, inputs_embeds: torc
         hidden, residual = parts.output(parts.causal_attention(q, k, v), residual)
         if index < levels:
             hidden = hidden + injected[index]
-    keep = _survivors(model, prompt, q, k, hidden + residual)
-    if keep.shape[0] != prompt.length:
+        if index not in staged.layers:
+            continue
+        keep = _stage(model, staged, index, q, k, hidden + residual, rope_positions, embedded)
+        if keep is not None:
+            cut = cut_prompt(KeptPrompt(keys, values, hidden, residual, positions), keep)
+            keys, values, hidden, residual, positions = (
+                cut.keys,
+                cut.values,
+                cut.hidden,
+                cut.residual,
+                cut.positions,
+            )
+            rope_positions = model.layout.layer_positions(positions)
+    if hidden.shape[0] != prompt.length:
         raise RuntimeError(
-            f"priortr: the method kept {keep.shape[0]} tokens (text and visual) of a prompt scheduled on "
+            f"priortr: the method kept {hidden.shape[0]} tokens (text and visual) of a prompt scheduled on "
             f"{prompt.length} rows; the processor's plan and the step's choice disagree"
         )
+    return KeptPrompt(keys=keys, values=values, hidden=hidden, residual=residual, positions=positions)
+
+
+def cut_prompt(prompt: KeptPrompt, keep: torch.Tensor) -> KeptPrompt:
+    """A prompt's current tokens cut to the columns ``keep`` [S''] (a stage's survivors): their hidden
+    states, residuals and positions, and the keys and values of every layer run so far, as
+    ``priortr.apply``'s cut compacts the cache of layers 0..L_i at stage i."""
     return KeptPrompt(
-        keys=[k.index_select(0, keep) for k in keys],
-        values=[v.index_select(0, keep) for v in values],
-        hidden=hidden.index_select(0, keep),
-        residual=residual.index_select(0, keep),
-        positions=positions.index_select(1, keep),
+        keys=[key.index_select(0, keep) for key in prompt.keys],
+        values=[value.index_select(0, keep) for value in prompt.values],
+        hidden=prompt.hidden.index_select(0, keep),
+        residual=prompt.residual.index_select(0, keep),
+        positions=prompt.positions.index_select(1, keep),
     )
 
 
-def _survivors(
-    model: ServedModel, prompt: PrunedPrompt, q: torch.Tensor, k: torch.Tensor, output: torch.Tensor
-) -> torch.Tensor:
-    """The surviving columns [P] of the full prompt (its text and the kept visual tokens, ascending),
-    chosen by the model's method from layer L's queries/keys (after RoPE) and output through the
-    engine's front door (``priortr.engine.front_door.kept_columns``: the stage core ``priortr.apply``
-    runs)."""
-    parts = model.scored[-1]
-    if model.config.layer != len(model.scored) - 1:
-        raise RuntimeError(
-            f"priortr: the model's language model was split after layer {len(model.scored) - 1}, and its "
-            f"settings score layer {model.config.layer}"
-        )
+def _stage(
+    model: ServedModel,
+    staged: StagedPrompt,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    output: torch.Tensor,
+    rope_positions: torch.Tensor,
+    embedded: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The columns [S''] of the prompt's current S' tokens that survive the stage scored at ``layer``
+    (None: all), chosen by the model's method from layer ``layer``'s queries/keys (after RoPE) and
+    output [S', D] through the engine's front door (``StagedPrompt.cut``: the stage core
+    ``priortr.apply`` runs). A method that ranks by the next layer's attention (PyramidDrop) gets that
+    layer's queries and keys on ``output``, its input, as ``priortr.apply`` computes them before the
+    layer runs."""
+    parts = model.text.layers[layer]
+    if staged.reads_next_layer:
+        parts = model.text.layers[layer + 1]
+        normed, _ = parts.attention_input(output, None)
+        q, k, _ = parts.project(normed, rope_positions)
     scored = ScoredLayerTensors(
-        queries=parts.heads_view(q, parts.heads),  # [1, h, S, d]
+        queries=parts.heads_view(q, parts.heads),  # [1, h, S', d]
         keys=parts.heads_view(k, parts.kv_heads),
         output=output[None],
         scaling=parts.scaling,
         heads=model.hf_config.get_text_config().num_attention_heads,  # H, all ranks' heads: a chunk's size
-        gather=parts.every_head,  # each chunk's [1, h, r, S] rows joined with every rank's: [1, H, r, S]
+        gather=parts.every_head,  # each chunk's [1, h, r, S'] rows joined with every rank's: [1, H, r, S']
     )
-    return kept_columns(model.adapter, model.hf_config, model.config, prompt.token_ids, prompt.counts, scored)
+    return staged.cut(layer, scored, embedded)
 
 
 def _run_batch(
