@@ -29,6 +29,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import BEFORE_LLM, check_injection
+from priortr.engine.front_door import last_stage
 from priortr.integrations.vllm.guard import SettingsGuard
 from priortr.integrations.vllm.positions import FamilyLayout
 from priortr.integrations.vllm.settings import STEP_LIMIT_KEY, WHOLE_LIMIT_KEY, served_settings
@@ -166,8 +167,11 @@ def pipeline_refusals(vllm_config: Any) -> list[str]:
     if stages == 1:
         return []
     hf_config = vllm_config.model_config.hf_config
-    layer = served_settings(hf_config).config.layer
-    _, end = get_pp_indices(hf_config.get_text_config().num_hidden_layers, 0, stages)
+    config = served_settings(hf_config).config
+    n_layers = hf_config.get_text_config().num_hidden_layers
+    # the deepest layer a stage reads: its scored layer, or the next one for a method ranking by it
+    layer = last_stage(config, n_layers) + int("next_attention" in config.method.needs)
+    _, end = get_pp_indices(n_layers, 0, stages)
     if layer < end:
         return []
     return [
