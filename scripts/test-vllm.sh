@@ -24,4 +24,4 @@ esac
 export PRIORTR_VLLM_RUNNER=$runner
 [ -x .venv-vllm/bin/vllm ] || bash scripts/setup-vllm.sh
 .venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'runner $runner')"
-.venv-vllm/bin/pytest -n auto --dist loadscope tests/vllm -p no:cacheprovider "$@"
+.venv-vllm/bin/pytest -n auto --dist loadscope --no-loadscope-reorder --durations=15 tests/vllm -p no:cacheprovider "$@"

