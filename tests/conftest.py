@@ -61,7 +61,7 @@ LONG_MODULES = (
     "tests/vllm/test_http.py",
 )
 """Modules of few tests that run for minutes (the trained testbed's accuracy check; lmms-eval in one and in
-two processes; in the vLLM suite, the multi-stage methods' 21 engines, module-level tests that one worker
+two processes; in the vLLM suite, the multi-stage methods' 24 engines, module-level tests that one worker
 runs, and the scale-out and HTTP servers). ``scripts/test.sh`` and ``scripts/test-vllm.sh`` send them to
 the workers first (``--no-loadscope-reorder``): xdist's default order, the modules with the most tests
 first, started them last, so that one worker ran them alone at the end. The slowest tests of each run are
