@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from priortr.engine.front_door import kept_before_llm
-from priortr.integrations.vllm.decoder import request_bounds
 from priortr.integrations.vllm.step import PrunedPrompt, ServedModel, StepImage, StepInputs, plan_step
 from priortr.integrations.vllm.vision_evidence import TowerTaps
 
@@ -34,8 +33,7 @@ def shorten_prompts(
     """The step's positions [3, T] with every pruned prompt's rows holding its survivors' original
     positions; their embeddings are written into ``inputs_embeds`` [T', D] (T' >= T, the runner's
     padded buffer: its own rows, rewritten in place, as the runner rewrites them every step)."""
-    starts, seq_lens = request_bounds(model.scored[0])
-    prompts = plan_step(model, step, positions.tolist(), starts, seq_lens)
+    prompts = plan_step(model, step, positions)
     positions = positions.clone()
     for prompt in prompts:
         images = [image for image in step.images if prompt.start <= image.row < prompt.start + prompt.length]

@@ -150,23 +150,20 @@ def run_step(
     stage before the last, vLLM's intermediate tensors and the rows' positions, ``pipeline.handed_on``).
     ``positions`` are vLLM's [3, T]; ``injected[i]`` is what the language model adds to layer i's output
     at the step's rows (Qwen3-VL's DeepStack features; empty otherwise)."""
-    starts, seq_lens = request_bounds(model.scored[0])
-    prompts = plan_step(model, step, positions.tolist(), starts, seq_lens)
+    prompts = plan_step(model, step, positions)
     with unpadded_rows():
         kept = [prefill_prompt(model, prompt, inputs_embeds) for prompt in prompts]
     return _run_batch(model, prompts, kept, positions, inputs_embeds, injected)
 
 
-def plan_step(
-    model: ServedModel,
-    step: StepInputs,
-    positions: list[list[int]],
-    starts: list[int],
-    seq_lens: list[int],
-) -> list[PrunedPrompt]:
-    """The step's pruned prompts from host copies of its positions [3][T] and its requests' bounds (query
-    starts, sequence lengths), each read back from its images' slot records
-    (``request_records.SlotRecord``), laid out as the family's layout lays an image out."""
+def plan_step(model: ServedModel, step: StepInputs, positions: torch.Tensor) -> list[PrunedPrompt]:
+    """The step's pruned prompts from a host copy of its positions [3, T] and its requests' bounds (query
+    starts, sequence lengths, ``decoder.request_bounds``), each read back from its images' slot records
+    (``request_records.SlotRecord``), laid out as the family's layout lays an image out: the one plan
+    of a pruned step, whether its prompts run layers 0..L here or are shortened before layer 0
+    (``pre_llm.py``)."""
+    starts, seq_lens = request_bounds(model.scored[0])
+    host = positions.tolist()  # [3][T]
     prompts = []
     images = iter(step.images)
     pending = next(images, None)
@@ -177,13 +174,13 @@ def plan_step(
             pending = next(images, None)
         if not any(image.pruned for image in own):
             continue
-        length = SlotRecord.decode(positions, own[0].row, own[0].kept_count).prompt_length
+        length = SlotRecord.decode(host, own[0].row, own[0].kept_count).prompt_length
         if seq_lens[request] != end - start or end - start < length:
             raise RuntimeError(
                 "priortr: a pruned prompt was scheduled in pieces (a chunk or a prefix-cache hit), which "
                 "the plug-in's scheduler (PruningScheduler) never does; is another --scheduler-cls set?"
             )
-        prompt = _plan_prompt(model, step, positions, range(start, start + length), own)
+        prompt = _plan_prompt(model, step, host, range(start, start + length), own)
         prompts.append(prompt)
     return prompts
 
