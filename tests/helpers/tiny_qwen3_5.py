@@ -82,14 +82,23 @@ def tiny_qwen3_5(
     return finish_model(model, attn)
 
 
+def moe_config() -> Qwen3_5MoeConfig:
+    """``tiny_qwen3_5_moe``'s config."""
+    return Qwen3_5MoeConfig(
+        text_config=_text_config(**_MOE),
+        vision_config=_VISION,
+        pad_token_id=PAD_ID,
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        **qwen_special_ids(),
+    )
+
+
 def tiny_qwen3_5_moe(
     dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0
 ) -> Qwen3_5MoeForConditionalGeneration:
     """``tiny_qwen3_5`` with 4-expert top-2 MoE MLPs and a shared expert in every layer; the experts run
     eagerly, since the default grouped_mm kernel refuses float64."""
-    config = Qwen3_5MoeConfig(
-        text_config=_text_config(**_MOE), vision_config=_VISION, pad_token_id=PAD_ID, **qwen_special_ids()
-    )
+    config = moe_config()
     torch.manual_seed(seed)
     model = Qwen3_5MoeForConditionalGeneration._from_config(
         config, attn_implementation=attn, dtype=dtype, experts_implementation="eager"

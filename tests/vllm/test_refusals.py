@@ -475,3 +475,33 @@ def test_gemma3_is_refused_with_its_reason(gemma3_dir):
     ):
         config_of(gemma3_dir)
     config_of(gemma3_dir, hf_overrides={})
+
+
+def test_qwen3_5_with_priortr_settings_is_refused(tmp_path):
+    """Qwen3.5 MoE, which vLLM's CPU build serves stock (in bfloat16, with Gated DeltaNet heads of
+    128), is pruned by priortr.apply, not by the plug-in: refused with the reason; it was served
+    unpruned on 5ac03a6, since no hook was installed for it. Without priortr settings it is vLLM's."""
+    from tests.helpers.tiny_qwen3_5 import moe_config
+
+    moe_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"does not serve Qwen3_5MoeForConditionalGeneration \(its Gated"):
+        config_of(tmp_path, dtype="bfloat16", hf_overrides={"priortr": {"method": "priortr", "budget": 4}})
+    config_of(tmp_path, dtype="bfloat16", hf_overrides={})
+
+
+def test_any_other_architecture_with_priortr_settings_is_refused(tmp_path):
+    """A model no family of the library covers (a text-only Llama) with priortr settings is refused,
+    naming the served architectures, instead of being served unpruned (as it was on 5ac03a6)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"does not serve LlamaForCausalLM \(it serves only LlavaFor"):
+        config_of(tmp_path)
+    config_of(tmp_path, hf_overrides={})

@@ -38,7 +38,17 @@ UNSERVED = {
     ),
     "Idefics3ForConditionalGeneration": NOT_YET,
     "Llama4ForConditionalGeneration": NOT_YET,
+    **dict.fromkeys(
+        ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+        "its Gated DeltaNet layers keep a recurrent state per request in vLLM's Mamba state cache, which "
+        "the plug-in's pruned prefill (layers 0..L run on the whole prompt outside vLLM's caches) does "
+        "not write; and vLLM's CPU build runs those layers in bfloat16 only (vllm/model_executor/layers/"
+        "mamba/ops/cpu/gdn_attention.py:158), where the plug-in's answers could not be checked exactly "
+        "against priortr.apply",
+    ),
 }
 """vLLM architectures of families ``priortr.apply`` prunes and the plug-in does not serve, with the
 reason: a config with ``priortr`` settings is refused at engine start instead of being served unpruned
 (docs/serving.md)."""
+ANY_OTHER = "it serves only " + ", ".join(SERVED)
+"""The reason given for any other architecture vLLM knows (``registration.register_all``)."""

@@ -1,5 +1,7 @@
 """Where the plug-in meets vLLM's registries: every served family's model class, multimodal processor
-and config hook (``served_families.FAMILIES``), and the refusing hook of every unserved one."""
+and config hook (``served_families.FAMILIES``), and a refusing hook on every other architecture vLLM
+knows: a config with ``priortr`` settings is never served unpruned (``architectures.UNSERVED`` gives
+the reason for families ``priortr.apply`` prunes)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from vllm import ModelRegistry
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from priortr.integrations.vllm.architectures import UNSERVED
+from priortr.integrations.vllm.architectures import ANY_OTHER, UNSERVED
 from priortr.integrations.vllm.config_hooks import unserved_hook
 from priortr.integrations.vllm.served_families import FAMILIES
 
@@ -20,5 +22,7 @@ def register_all() -> None:
         )(family.model)
         ModelRegistry.register_model(family.architecture, family.model)
         MODELS_CONFIG_MAP[family.architecture] = family.hook.for_layout(family.layout)
-    for architecture, reason in UNSERVED.items():
+    served = {family.architecture for family in FAMILIES}
+    for architecture in (set(ModelRegistry.get_supported_archs()) | set(UNSERVED)) - served:
+        reason = UNSERVED.get(architecture, ANY_OTHER)
         MODELS_CONFIG_MAP[architecture] = unserved_hook(MODELS_CONFIG_MAP.get(architecture), reason)
