@@ -286,6 +286,67 @@ def serve(llm: LLM, cases: list[tuple], arrivals: dict[int, list[int]]) -> dict[
     return run_arrivals(llm.llm_engine, requests, arrivals, params)
 
 
+def record_pruned_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(tokens embedded, rows handed in) of every step that runs a pruned prefill, from now on; each
+    such step's hidden states are checked to keep the length handed in (padding rows included)."""
+    stock = models.run_step
+    seen: list[tuple[int, int]] = []
+
+    def recording(model: Any, step: Any, positions: Any, inputs_embeds: Any, injected: Any) -> Any:
+        seen.append((len(step.input_ids), inputs_embeds.shape[0]))
+        out = stock(model, step, positions, inputs_embeds, injected)
+        assert out.shape[0] == inputs_embeds.shape[0]  # the hidden states keep the padded length
+        return out
+
+    monkeypatch.setattr(models, "run_step", recording)
+    return seen
+
+
+PADDED_ARRIVALS = {0: [0], 2: [1, 2]}
+"""Engine step -> the requests of ``padded_cases`` added before it: a pruned prefill alone, then a
+text-only prompt and a two-image pruned prefill beside its decode."""
+
+
+def padded_cases(family: Family) -> list[tuple]:
+    """Pruned prompts (one image; two) and a text-only one, for steps padded as a GPU pads them."""
+    return [
+        (family.one, [family.large(10)], None),
+        (family.text_only, [], None),
+        (family.two, [family.large(11), family.small(12)], None),
+    ]
+
+
+def record_shortened_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``record_pruned_steps`` for a method before the language model: (tokens embedded, rows handed
+    in) of every step whose prompts ``pre_llm.shorten_prompts`` shortens."""
+    stock = models.shorten_prompts
+    seen: list[tuple[int, int]] = []
+
+    def recording(model: Any, taps: Any, step: Any, positions: Any, inputs_embeds: Any) -> Any:
+        if step.images:
+            seen.append((len(step.input_ids), inputs_embeds.shape[0]))
+        return stock(model, taps, step, positions, inputs_embeds)
+
+    monkeypatch.setattr(models, "shorten_prompts", recording)
+    return seen
+
+
+def check_padded_serving(
+    llm: LLM, family: Family, path: Path, monkeypatch: pytest.MonkeyPatch, before_llm: bool = False
+) -> None:
+    """``padded_cases`` served with every step padded to vLLM 0.34's Hopper capture sizes
+    (``runners.pad_steps``): at least one pruned prefill ran in a step with padding rows, and every
+    answer is ``apply``'s. ``before_llm``: the method prunes before the language model."""
+    padded = pad_steps(monkeypatch, GRIDS["hopper"])
+    pruned = (record_shortened_steps if before_llm else record_pruned_steps)(monkeypatch)
+    cases = padded_cases(family)
+    results = serve(llm, cases, PADDED_ARRIVALS)
+    assert any(step.size > step.tokens for step in padded)
+    assert any(rows > tokens for tokens, rows in pruned)  # a pruned prefill met padding rows
+    for index, case in enumerate(cases):
+        assert results[index] == expected(family, path, case), index
+
+
 def preemption_engine(family: Family, path: Path, step_tokens: int) -> LLM:
     """An engine whose KV cache, 4 blocks of 32 tokens (3 usable), cannot hold four two-image prompts
     decoding ``PREEMPTED_TOKENS`` each, so that vLLM preempts and re-prefills; ``step_tokens`` is its
@@ -362,17 +423,7 @@ class FamilyContract:
     @pytest.fixture
     def pruned_steps(self, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         """(tokens embedded, rows handed in) of every step that runs a pruned prefill."""
-        stock = models.run_step
-        seen: list[tuple[int, int]] = []
-
-        def recording(model: Any, step: Any, positions: Any, inputs_embeds: Any, injected: Any) -> Any:
-            seen.append((len(step.input_ids), inputs_embeds.shape[0]))
-            out = stock(model, step, positions, inputs_embeds, injected)
-            assert out.shape[0] == inputs_embeds.shape[0]  # the hidden states keep the padded length
-            return out
-
-        monkeypatch.setattr(models, "run_step", recording)
-        return seen
+        return record_pruned_steps(monkeypatch)
 
     def test_one_step_of_images_text_budgets_and_pruning_off(self, llm, row, path):
         """One image, two sharing the budget, two at a per-request budget, an unpruned image and a

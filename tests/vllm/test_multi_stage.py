@@ -11,6 +11,7 @@ layers 0 and 1, so only a schedule from layer 1 on applies there (``apply`` refu
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from vllm import LLM
 
 from priortr.integrations.vllm import decoder, step
-from tests.vllm.family_contract import FAMILIES, Family, answers, expected
+from tests.vllm.family_contract import FAMILIES, Family, answers, check_padded_serving, expected
 from tests.vllm.harness import generate
 from tests.vllm.reference import ENGINE
 
@@ -65,70 +66,91 @@ def engine(row: Family, path: Path) -> LLM:
     )
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{method}" for family, method in CASES])
-def served_case(request: pytest.FixtureRequest) -> Any:
-    """(the family's row with the method's settings, its checkpoint, an engine serving them)."""
-    family, method = request.param
-    row = replace(FAMILIES[family], settings=SCHEDULES[method])
-    path = request.getfixturevalue(row.fixture)
-    llm = engine(row, path)
-    yield row, path, llm
-    del llm
+class ServedSchedule:
+    """The three tests of one (family, method) pair, on one engine. Each pair is a class of its own
+    (made below), so that pytest-xdist's ``loadscope`` shares the 24 engines between its workers."""
+
+    family: str
+    method: str
+
+    @pytest.fixture(scope="class")
+    def served_case(self, request: pytest.FixtureRequest) -> Any:
+        """(the family's row with the method's settings, its checkpoint, an engine serving them)."""
+        row = replace(FAMILIES[self.family], settings=SCHEDULES[self.method])
+        path = request.getfixturevalue(row.fixture)
+        llm = engine(row, path)
+        yield row, path, llm
+        del llm
+
+    def test_answers_as_apply(self, served_case):
+        """One image, two images sharing the budget, an unpruned image and a text-only prompt in one
+        step answer as ``apply`` does, each pruned prompt scheduled on text + its last stage's K per
+        image."""
+        row, path, llm = served_case
+        cases = [
+            (row.one, [row.large(0)], None),
+            (row.two, [row.large(1), row.small(2)], None),
+            (row.one, [row.large(5)], {"enabled": False}),
+            (row.text_only, [], None),
+        ]
+        outs = generate(llm, cases)
+        for index, (case, answer) in enumerate(zip(cases, answers(outs), strict=True)):
+            assert answer == expected(row, path, case), index
+        unpruned = generate(llm, [(*cases[0][:2], {"enabled": False})])[0]
+        assert len(outs[0].prompt_token_ids) < len(unpruned.prompt_token_ids)
+
+    def test_pruned_prefills_stay_exact_when_padded(self, served_case, monkeypatch):
+        """Every step padded to a CUDA-graph size, as vLLM 0.34 pads it on a Hopper GPU (the CPU
+        build never pads): the stages cut the prompt's own rows and the padding rows pass through."""
+        row, path, llm = served_case
+        check_padded_serving(llm, row, path, monkeypatch)
+
+    def test_uncompacted_stage_cache_is_caught(self, served_case, monkeypatch):
+        """Negative control: the first stage cuts the hidden states but leaves the keys and values of
+        the layers it followed uncut (the later cuts then index the wrong tokens of them); the answer
+        changes."""
+        row, path, llm = served_case
+        original = step.cut_prompt
+        calls: list[int] = []
+
+        def first_uncompacted(prompt: Any, keep: Any) -> Any:
+            calls.append(len(prompt.keys))
+            cut = original(prompt, keep)
+            if len(calls) > 1:
+                return cut
+            return replace(cut, keys=prompt.keys, values=prompt.values)
+
+        monkeypatch.setattr(step, "cut_prompt", first_uncompacted)
+        case = (row.one, [row.large(0)], None)
+        assert answers(generate(llm, [case])) != [expected(row, path, case)]
+        assert len(calls) > 1  # a stage after the faulty one indexed its keys and values
+
+    def test_residual_updated_in_place_as_on_a_gpu(self, served_case, monkeypatch):
+        """vLLM's fused add-norm writes the residual sum into its residual argument on a GPU (the
+        ``vllm_c`` impl is in place; the CPU build's is not), and layer 0's residual stream is the
+        prompt's embeddings, which CLSE's stages read: emulated here, every method still answers as
+        ``apply`` does."""
+        row, path, llm = served_case
+        original = decoder.LayerParts.output
+
+        def in_place(self: Any, attended: Any, residual: Any) -> Any:
+            hidden, summed = original(self, attended, residual)
+            return hidden, residual.copy_(summed)
+
+        monkeypatch.setattr(decoder.LayerParts, "output", in_place)
+        case = (row.one, [row.large(0)], None)
+        assert answers(generate(llm, [case])) == [expected(row, path, case)]
 
 
-def test_answers_as_apply(served_case):
-    """One image, two images sharing the budget, an unpruned image and a text-only prompt in one step
-    answer as ``apply`` does, each pruned prompt scheduled on text + its last stage's K per image."""
-    row, path, llm = served_case
-    cases = [
-        (row.one, [row.large(0)], None),
-        (row.two, [row.large(1), row.small(2)], None),
-        (row.one, [row.large(5)], {"enabled": False}),
-        (row.text_only, [], None),
-    ]
-    outs = generate(llm, cases)
-    for index, (case, answer) in enumerate(zip(cases, answers(outs), strict=True)):
-        assert answer == expected(row, path, case), index
-    unpruned = generate(llm, [(*cases[0][:2], {"enabled": False})])[0]
-    assert len(outs[0].prompt_token_ids) < len(unpruned.prompt_token_ids)
+def class_name(family: str, method: str) -> str:
+    """``Test`` + the pair, as an identifier: ``qwen2.5-vl``, ``clse`` -> ``TestQwen2_5_vlClse``."""
+    return "Test" + re.sub(r"\W", "_", family).capitalize() + method.capitalize()
 
 
-def test_uncompacted_stage_cache_is_caught(served_case, monkeypatch):
-    """Negative control: the first stage cuts the hidden states but leaves the keys and values of the
-    layers it followed uncut (the later cuts then index the wrong tokens of them); the answer
-    changes."""
-    row, path, llm = served_case
-    original = step.cut_prompt
-    calls: list[int] = []
-
-    def first_uncompacted(prompt: Any, keep: Any) -> Any:
-        calls.append(len(prompt.keys))
-        cut = original(prompt, keep)
-        if len(calls) > 1:
-            return cut
-        return replace(cut, keys=prompt.keys, values=prompt.values)
-
-    monkeypatch.setattr(step, "cut_prompt", first_uncompacted)
-    case = (row.one, [row.large(0)], None)
-    assert answers(generate(llm, [case])) != [expected(row, path, case)]
-    assert len(calls) > 1  # a stage after the faulty one indexed its keys and values
-
-
-def test_residual_updated_in_place_as_on_a_gpu(served_case, monkeypatch):
-    """vLLM's fused add-norm writes the residual sum into its residual argument on a GPU (the
-    ``vllm_c`` impl is in place; the CPU build's is not), and layer 0's residual stream is the
-    prompt's embeddings, which CLSE's stages read: emulated here, every method still answers as
-    ``apply`` does."""
-    row, path, llm = served_case
-    original = decoder.LayerParts.output
-
-    def in_place(self: Any, attended: Any, residual: Any) -> Any:
-        hidden, summed = original(self, attended, residual)
-        return hidden, residual.copy_(summed)
-
-    monkeypatch.setattr(decoder.LayerParts, "output", in_place)
-    case = (row.one, [row.large(0)], None)
-    assert answers(generate(llm, [case])) == [expected(row, path, case)]
+for _family, _method in CASES:
+    globals()[class_name(_family, _method)] = type(
+        class_name(_family, _method), (ServedSchedule,), {"family": _family, "method": _method}
+    )
 
 
 @pytest.mark.parametrize(("family", "method"), list(REFUSED), ids=[f"{f}-{m}" for f, m in REFUSED])

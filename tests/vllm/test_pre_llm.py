@@ -26,6 +26,7 @@ from tests.vllm.family_contract import (
     Family,
     answers,
     arrival_cases,
+    check_padded_serving,
     expected,
     serve,
     step_cases,
@@ -89,6 +90,11 @@ class PreLLMContract:
         monkeypatch.setattr(models, "shorten_prompts", unwritten)
         case = step_cases(self.row)[1]
         assert answers(generate(llm, [case])) != [expected(self.row, path, case)]
+
+    def test_pruned_prompts_stay_exact_when_padded(self, llm, path, monkeypatch):
+        """Every step padded to a CUDA-graph size, as vLLM 0.34 pads it on a Hopper GPU (the CPU build
+        never pads): the survivors take the prompt's own rows and the padding rows pass through."""
+        check_padded_serving(llm, self.row, path, monkeypatch, before_llm=True)
 
     def test_requests_arriving_while_others_decode(self, llm, path):
         cases = arrival_cases(self.row)
