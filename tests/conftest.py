@@ -58,11 +58,12 @@ LONG_MODULES = (
     "tests/vllm/test_multi_stage.py",
     "tests/vllm/test_parallel.py",
     "tests/vllm/test_moe_parallel.py",
+    "tests/vllm/test_pipeline_dense.py",
     "tests/vllm/test_http.py",
 )
 """Modules of few tests that run for minutes (the trained testbed's accuracy check; lmms-eval in one and in
-two processes; in the vLLM suite, the multi-stage methods' 24 engines, module-level tests that one worker
-runs, and the scale-out and HTTP servers). ``scripts/test.sh`` and ``scripts/test-vllm.sh`` send them to
+two processes; in the vLLM suite, the multi-stage methods' 24 engines, a class each so that the workers
+share them, and the scale-out and HTTP servers). ``scripts/test.sh`` and ``scripts/test-vllm.sh`` send them to
 the workers first (``--no-loadscope-reorder``): xdist's default order, the modules with the most tests
 first, started them last, so that one worker ran them alone at the end. The slowest tests of each run are
 printed (``--durations``) to keep this list true."""

@@ -1,8 +1,8 @@
 """Scale-out of Qwen3-VL MoE on vLLM's CPU build, where each rank is a process on this machine: tensor
-parallelism 2 and pipeline parallelism 2 (offline ``LLM``, the multiprocessing executor), against
-priortr.apply + HF generate(), with a negative control of the positions a later pipeline stage runs at.
-Data and expert parallelism are refused (``config_hooks.moe_refusals``; vLLM's CPU build runs neither
-for a stock MoE step).
+parallelism 2, pipeline parallelism 2 and both (four ranks; offline ``LLM``, the multiprocessing
+executor), against priortr.apply + HF generate(), with a negative control of the positions a later
+pipeline stage runs at. Data and expert parallelism are refused (``config_hooks.moe_refusals``; vLLM's
+CPU build runs neither for a stock MoE step).
 """
 
 from __future__ import annotations
@@ -110,3 +110,39 @@ def test_moe_pipeline_stage_at_scheduled_positions_is_caught(moe_pp_llm, qwen3_v
         moe_pp_llm.collective_rpc(_stages_use_sent_positions)
     assert outs[0] != expected(family, qwen3_vl_moe_dir, pruned)
     assert outs[1] == expected(family, qwen3_vl_moe_dir, unpruned)
+
+
+class TestPipelineByTensor:
+    """PP 2 x TP 2 in a class of its own: its engine (four workers) is torn down after its test, and
+    pytest-xdist's ``loadscope`` may run it beside the module's other engines."""
+
+    @pytest.fixture(scope="class")
+    def moe_pp_tp_llm(self, qwen3_vl_moe_dir):
+        """Two pipeline stages, each over two tensor-parallel ranks: four worker processes. Compiled,
+        as ``moe_pp_llm``."""
+        family = FAMILIES["qwen3-vl-moe"]
+        engine = LLM(
+            model=str(qwen3_vl_moe_dir),
+            hf_overrides=family.overrides(),
+            limit_mm_per_prompt=family.limits,
+            **{
+                **ENGINE,
+                "pipeline_parallel_size": 2,
+                "tensor_parallel_size": 2,
+                "distributed_executor_backend": "mp",
+                "enforce_eager": False,
+            },
+        )
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
+
+    def test_moe_pipeline_2_by_tensor_2_is_exact(self, moe_pp_tp_llm, qwen3_vl_moe_dir):
+        """Four ranks: each pipeline stage's two tensor-parallel ranks hold half of every expert and
+        head; the first stage's ranks plan and cut alike, and each hands its rows to the second stage
+        with the kept tokens' positions. The step of ``test_moe_tensor_parallel_2_is_exact``, against
+        priortr.apply."""
+        family = FAMILIES["qwen3-vl-moe"]
+        cases = step_cases(family)
+        outs = generate(moe_pp_tp_llm, cases)
+        assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
+        assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
