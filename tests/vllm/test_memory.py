@@ -5,8 +5,10 @@ of dummy images, ``max_num_batched_tokens`` tokens through every layer, the samp
 requests); a pruned step's extra work (layers 0..L over its whole prompts outside the paged cache, their
 keys and values, the attention evidence, the kept rows' copies) is in no profile. Here torch's profiler
 records every allocation of the profile run, of vLLM's own prefill of a prompt at the step limit and of
-the same prompt pruned (its whole prompt S at the step limit, ``max_num_scheduled_tokens``), and each
-one's transient peak (the most bytes it held above what was held when it began) is printed for
+the same prompt pruned (its whole prompt S at the step limit, ``max_num_scheduled_tokens``), by PriorTR
+at one layer and by PyramidDrop's three stages (the whole prompt through layer 0, then shrinking to the
+deepest stage's layer),
+and each one's transient peak (the most bytes it held above what was held when it began) is printed for
 docs/serving.md ("Memory"). A negative control plants an allocation in the pruned forward, which the
 measurement must see.
 """
@@ -24,7 +26,13 @@ from priortr.integrations.vllm import models
 from tests.vllm.reference import ENGINE, hf_tokens, image
 from tests.vllm.test_cache_and_chunks import words
 
-SETTINGS = {"method": "priortr", "budget": 4, "layer": 1}
+METHODS = {
+    "priortr": {"method": "priortr", "budget": 4, "layer": 1},
+    "pdrop": {"method": "pdrop", "budget": 4},
+}
+"""The engines' settings: one stage, and a multi-stage method (PyramidDrop, stages at layers 0, 1 and 2:
+CLSE's first stage reads each image's token grid, which two images with no text between them, one
+run to ``apply``, do not have)."""
 IMAGE_TOKENS = 16
 TOKENS = 4
 TEXT = 224
@@ -48,12 +56,17 @@ def transient_peaks(prof: profile, window: str) -> list[int]:
     return peaks
 
 
+@pytest.fixture(scope="module", params=list(METHODS))
+def settings(request: pytest.FixtureRequest) -> dict:
+    return METHODS[request.param]
+
+
 @pytest.fixture(scope="module")
-def llm(llava_dir):
+def llm(llava_dir, settings):
     """LLaVA with room for positions past the step (``max_model_len`` 512, the checkpoint's RoPE table)."""
     engine = LLM(
         model=str(llava_dir),
-        hf_overrides={"priortr": SETTINGS},
+        hf_overrides={"priortr": settings},
         limit_mm_per_prompt={"image": 2},
         **{**ENGINE, "max_model_len": 512},
     )
@@ -127,7 +140,7 @@ def step_peaks(
 
 
 def test_a_pruned_step_at_the_step_limit_against_the_profile(
-    llm, llava_dir, profiled, monkeypatch, record_property
+    llm, llava_dir, settings, profiled, monkeypatch, record_property
 ):
     """The transient peaks of the profile run, of vLLM's own prefill of a prompt of ``S`` tokens (the
     step limit) and of that prompt pruned, printed and recorded for docs/serving.md ("Memory"). vLLM's
@@ -137,13 +150,14 @@ def test_a_pruned_step_at_the_step_limit_against_the_profile(
     policy (``config_hooks.memory_policy``) keeps room for that beside the KV cache."""
     (pruned,), out = step_peaks(llm, monkeypatch)
     prompt, images = CASE
-    assert list(out.outputs[0].token_ids) == hf_tokens(llava_dir, prompt, images, SETTINGS, TOKENS)
-    whole = len(out.prompt_token_ids) - SETTINGS["budget"] + len(images) * IMAGE_TOKENS  # K for the prompt
-    assert whole == ENGINE["max_num_batched_tokens"]
+    assert list(out.outputs[0].token_ids) == hf_tokens(llava_dir, prompt, images, settings, TOKENS)
+    whole = TEXT + len(images) * IMAGE_TOKENS
+    assert whole == ENGINE["max_num_batched_tokens"] > len(out.prompt_token_ids)
     monkeypatch.undo()
     (unpruned,), out = step_peaks(llm, monkeypatch, {"enabled": False})
     assert len(out.prompt_token_ids) == whole
-    peaks = {"profile run": profiled, f"unpruned prefill of S = {whole}": unpruned, "pruned step": pruned}
+    method = settings["method"]
+    peaks = {"profile run": profiled, f"unpruned prefill of S = {whole}": unpruned, f"{method} step": pruned}
     for name, peak in peaks.items():
         record_property(f"{name} (MiB)", round(peak / 2**20, 2))
     print("transient peaks (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in peaks.items()))
