@@ -16,6 +16,7 @@ released processor's 16-megapixel bound.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,12 +24,14 @@ from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
 
 from tests.helpers.tiny import PAD_ID, qwen_special_ids
-from tests.vllm.checkpoints import QWEN_TEMPLATE, qwen_tokenizer
+from tests.vllm.checkpoints import QWEN_TEMPLATE, qwen_tokenizer, store_experts_as_released
 
 VOCAB = 151936
 HEAD_DIM = 128
@@ -37,6 +40,12 @@ PATCH, MERGE = 16, 2
 IMAGE_SIZE = 768
 IMAGE_TOKENS = (IMAGE_SIZE // (PATCH * MERGE)) ** 2  # 24 x 24 merged patches: 576
 DEEPSTACK_LEVELS = 3
+EXPERTS, EXPERTS_PER_TOKEN = 32, 8
+"""The MoE layout's routing: Qwen3-VL-30B-A3B's top-8, of 32 experts where it has 128 (the weights of
+128 experts at width 512 and 8 layers would be 1.2 GB of float32 per server, and a token's FLOPs
+depend on the 8 experts it runs, not on how many there are)."""
+EXPERT_WIDTH_RATIO = 768 / 2048
+"""Qwen3-VL-30B-A3B's ``moe_intermediate_size`` over its ``hidden_size``."""
 CHAT_TEMPLATE = QWEN_TEMPLATE
 """``USER: <|vision_start|><|image_pad|><|vision_end|>{question} ASSISTANT:``: the image, then the
 question (the method scores the text after the image)."""
@@ -45,10 +54,18 @@ TEMPLATE_TOKENS = 4
 ``ASSISTANT:``."""
 
 
-def qwen3_vl_config(hidden: int, layers: int) -> Qwen3VLConfig:
+def qwen3_vl_config(hidden: int, layers: int, moe: bool = False) -> Qwen3VLConfig | Qwen3VLMoeConfig:
     """The layout's config (see the module docstring) at text width ``hidden`` (a multiple of 128) and
-    ``layers`` decoder layers."""
+    ``layers`` decoder layers; ``moe``: every decoder layer's MLP a sparse MoE block, routed as
+    Qwen3-VL-30B-A3B's (EXPERTS, EXPERTS_PER_TOKEN, EXPERT_WIDTH_RATIO)."""
     heads = hidden // HEAD_DIM
+    experts = {
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": round(hidden * EXPERT_WIDTH_RATIO),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
     text = {
         "vocab_size": VOCAB,
         "hidden_size": hidden,
@@ -66,6 +83,7 @@ def qwen3_vl_config(hidden: int, layers: int) -> Qwen3VLConfig:
             "mrope_interleaved": True,
         },
         "tie_word_embeddings": False,
+        **(experts if moe else {}),
     }
     vision = {
         "depth": DEEPSTACK_LEVELS,
@@ -79,7 +97,7 @@ def qwen3_vl_config(hidden: int, layers: int) -> Qwen3VLConfig:
         "num_position_embeddings": 2304,
         "deepstack_visual_indexes": list(range(DEEPSTACK_LEVELS)),
     }
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         pad_token_id=PAD_ID,
@@ -88,13 +106,26 @@ def qwen3_vl_config(hidden: int, layers: int) -> Qwen3VLConfig:
     )
 
 
-def build_qwen3_vl_checkpoint(path: Path, hidden: int, layers: int, seed: int) -> Path:
-    """Write the layout at ``hidden`` / ``layers`` (``qwen3_vl_config``), random weights drawn from
-    ``seed``, and its processor to ``path``."""
+def build_qwen3_vl_checkpoint(path: Path, hidden: int, layers: int, seed: int, moe: bool = False) -> Path:
+    """Write the layout at ``hidden`` / ``layers`` (``qwen3_vl_config``, MoE if ``moe``), random weights
+    drawn from ``seed``, and its processor to ``path``."""
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration._from_config(qwen3_vl_config(hidden, layers), dtype=torch.float32)
+    kind = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    model = kind._from_config(qwen3_vl_config(hidden, layers, moe), dtype=torch.float32)
     model.eval().save_pretrained(path)
     qwen3_vl_processor().save_pretrained(path)
+    return path
+
+
+def build_qwen3_vl_moe_checkpoint(path: Path, hidden: int, layers: int, seed: int) -> Path:
+    """``build_qwen3_vl_checkpoint`` with MoE MLPs (Qwen3-VL-30B-A3B's routing), stored as the released
+    checkpoints are: the experts' weights in their layout, and ``norm_topk_prob`` in the text config,
+    which vLLM reads and transformers' config class drops (its router always renormalises)."""
+    build_qwen3_vl_checkpoint(path, hidden, layers, seed, moe=True)
+    store_experts_as_released(path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["norm_topk_prob"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 

@@ -162,6 +162,17 @@ FAMILIES = {
             results=Path("benchmarks/results/vllm-bench-serve-qwen3-vl"),
             server_flags=('--limit-mm-per-prompt={"image": 1, "video": 0}',),
         ),
+        Family(
+            "qwen3-vl-moe",
+            qwen3_vl_layout.build_qwen3_vl_moe_checkpoint,
+            qwen3_vl_layout.CHAT_TEMPLATE,
+            qwen3_vl_layout.IMAGE_SIZE,
+            qwen3_vl_layout.IMAGE_TOKENS,
+            qwen3_vl_layout.TEMPLATE_TOKENS,
+            layer=qwen3_vl_layout.DEEPSTACK_LEVELS - 1,
+            results=Path("benchmarks/results/vllm-bench-serve-qwen3-vl-moe"),
+            server_flags=('--limit-mm-per-prompt={"image": 1, "video": 0}',),
+        ),
     )
 }
 DEFAULT_FAMILY = "llava-1.5"
@@ -169,19 +180,52 @@ DEFAULT_FAMILY = "llava-1.5"
 
 @dataclass(frozen=True)
 class Server:
-    """One vLLM server of the run: with priortr settings or not, and the flags beyond the shared ones."""
+    """One vLLM server of the run: the method it serves (None: stock), and the flags beyond the shared
+    ones. ``priortr`` serves PriorTR at ``--layer`` with every budget of ``--budgets`` granted to
+    requests; any other method (METHODS) serves the engine's K = TURNED_OFF_BUDGET alone (multi-stage
+    methods take no request budgets)."""
 
     name: str
-    pruning: bool
+    method: str | None
     flags: tuple[str, ...] = ()
 
+    @property
+    def pruning(self) -> bool:
+        return self.method is not None
 
-STOCK = Server("stock", pruning=False)
-PRIORTR = Server("priortr", pruning=True)
+
+STOCK = Server("stock", method=None)
+PRIORTR = Server("priortr", method="priortr")
 DEFAULTS_OFF = tuple(
-    Server(f"priortr {flag}", pruning=True, flags=(flag,))
+    Server(f"priortr {flag}", method="priortr", flags=(flag,))
     for flag in ("--enforce-eager", "--no-enable-chunked-prefill", "--no-enable-prefix-caching")
 )
+METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "clse": lambda layer: {"method": "clse"},
+    "pdrop": lambda layer: {"method": "pdrop"},
+    "stages": lambda layer: {
+        "method": "priortr",
+        "stages": [[layer, 2 * TURNED_OFF_BUDGET], [layer + 2, TURNED_OFF_BUDGET]],
+    },
+    "visionzip": lambda layer: {"method": "visionzip"},
+    "vispruner": lambda layer: {"method": "vispruner"},
+    "divprune": lambda layer: {"method": "divprune"},
+}
+"""``--methods``: each one's engine settings (``layer``: ``--layer``), all at K = TURNED_OFF_BUDGET with
+their own default layers. ``stages``: PriorTR keeps 2 K at ``--layer``, then K two layers deeper."""
+
+
+def method_settings(method: str, layer: int, budgets: list[int]) -> dict[str, Any]:
+    """The ``priortr`` settings a server of ``method`` starts with (``--hf-overrides``); ``budgets``:
+    the K requests may ask of ``priortr``."""
+    if method == "priortr":
+        return {"method": "priortr", "budget": TURNED_OFF_BUDGET, "layer": layer, "request_budgets": budgets}
+    settings = METHODS[method](layer)
+    return settings if "stages" in settings else {**settings, "budget": TURNED_OFF_BUDGET}
+
+
+def method_server(method: str) -> Server:
+    return Server(f"{method} K={TURNED_OFF_BUDGET}", method=method)
 
 
 @dataclass(frozen=True)
@@ -367,10 +411,11 @@ def run_bench(argv: list[str]) -> dict[str, Any]:
 
 
 def server_argv(
-    server: Server, family: Family, model: Path, template: Path, blocks: int, layer: int, port: int
+    server: Server, args: argparse.Namespace, model: Path, template: Path, blocks: int, port: int
 ) -> list[str]:
     """The arguments of ``server``'s ``python -m vllm.entrypoints.openai.api_server`` (as ``vllm
-    serve`` takes them) for ``family``'s checkpoint at ``model``, on 127.0.0.1:``port``."""
+    serve`` takes them) for ``args.family``'s checkpoint at ``model``, on 127.0.0.1:``port``, at
+    ``args.tensor_parallel_size``."""
     argv = [
         f"--model={model}",
         "--host=127.0.0.1",
@@ -382,21 +427,21 @@ def server_argv(
         f"--num-gpu-blocks-override={blocks}",
         f"--chat-template={template}",
         "--disable-uvicorn-access-log",
-        *family.server_flags,
+        f"--tensor-parallel-size={args.tensor_parallel_size}",
+        *args.family.server_flags,
         *server.flags,
     ]
     if server.pruning:
-        settings = {"method": "priortr", "budget": TURNED_OFF_BUDGET, "layer": layer}
-        argv += [
-            f"--hf-overrides={json.dumps({'priortr': {**settings, 'request_budgets': list(BUDGETS)}})}",
-            "--trust-request-mm-kwargs",
-        ]
+        settings = method_settings(server.method, args.layer, args.budgets)
+        argv.append(f"--hf-overrides={json.dumps({'priortr': settings})}")
+        if server.method == "priortr":
+            argv.append("--trust-request-mm-kwargs")
     return argv
 
 
 @contextmanager
 def serving(
-    server: Server, family: Family, model: Path, template: Path, blocks: int, layer: int, log: Path
+    server: Server, args: argparse.Namespace, model: Path, template: Path, blocks: int, log: Path
 ) -> Iterator[str]:
     """``server`` on a free port of 127.0.0.1: its URL once /health answers; stopped on exit."""
     port = free_port()
@@ -404,7 +449,7 @@ def serving(
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
-        *server_argv(server, family, model, template, blocks, layer, port),
+        *server_argv(server, args, model, template, blocks, port),
     ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     with log.open("w") as sink:
@@ -443,11 +488,21 @@ class Phase:
     settings: tuple[Setting, ...]
 
 
-def phases(defaults_off: bool = True) -> list[Phase]:
-    """Stock against priortr's budgets (defaults on, both servers up), then (``defaults_off``) each
-    default turned off at K = 64 (one server at a time: beside priortr's K = 64 again, it would not fit
-    the full run's half hour on the project's machine)."""
-    main = Phase((STOCK, PRIORTR), (Setting(STOCK, None), *(Setting(PRIORTR, k) for k in BUDGETS)))
+def phases(
+    defaults_off: bool = True, budgets: tuple[int, ...] = BUDGETS, methods: tuple[str, ...] = ()
+) -> list[Phase]:
+    """Stock against priortr's ``budgets`` and each of ``methods`` at K = 64 (defaults on, every server
+    up), then (``defaults_off``) each default turned off at K = 64 (one server at a time: beside
+    priortr's K = 64 again, it would not fit the full run's half hour on the project's machine)."""
+    others = tuple(method_server(method) for method in methods)
+    main = Phase(
+        (STOCK, PRIORTR, *others),
+        (
+            Setting(STOCK, None),
+            *(Setting(PRIORTR, k) for k in budgets),
+            *(Setting(server, None) for server in others),
+        ),
+    )
     if not defaults_off:
         return [main]
     return [main] + [Phase((off,), (Setting(off, TURNED_OFF_BUDGET),)) for off in DEFAULTS_OFF]
@@ -478,7 +533,7 @@ def run(
     raw.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     up: dict[Server, tuple[ExitStack, str]] = {}
-    plan = phases(args.defaults_off)
+    plan = phases(args.defaults_off, tuple(args.budgets), tuple(args.methods))
     try:
         for number, phase in enumerate(plan):
             for server in [s for s in up if s not in phase.servers]:
@@ -486,9 +541,7 @@ def run(
             for server in [s for s in phase.servers if s not in up]:
                 stack = ExitStack()
                 log = logs / f"{_slug(server.name)}.log"
-                url = stack.enter_context(
-                    serving(server, args.family, model, template, blocks, args.layer, log)
-                )
+                url = stack.enter_context(serving(server, args, model, template, blocks, log))
                 up[server] = (stack, url)
                 for index, budget in enumerate(warmup_budgets(plan, server)):
                     warmup = raw / f"warmup-{_slug(server.name)}.json"
@@ -592,6 +645,15 @@ def main() -> None:
         default=True,
         help="after stock and priortr, the K = 64 servers with one vLLM default off each",
     )
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="priortr's K")
+    parser.add_argument(
+        "--methods",
+        nargs="*",
+        choices=METHODS,
+        default=[],
+        help=f"more servers, each serving one method at K = {TURNED_OFF_BUDGET} with its default layers",
+    )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="every server's")
     parser.add_argument("--out", type=Path, help="default: the family's results folder[/quick]")
     args = parser.parse_args()
     args.family = FAMILIES[args.family]
@@ -620,6 +682,13 @@ def main() -> None:
             "layer": args.layer,
             "head_dim": 128,
             "visual_tokens": args.family.image_tokens,
+        },
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "methods": {
+            server.name: method_settings(server.method, args.layer, args.budgets)
+            for phase in phases(args.defaults_off, tuple(args.budgets), tuple(args.methods))
+            for server in phase.servers
+            if server.pruning
         },
         "text_tokens": TEXT_TOKENS,
         "answer_tokens": ANSWER_TOKENS,
@@ -729,8 +798,8 @@ def targets(rows: dict[tuple[str, int], Row], names: list[str]) -> list[str]:
     at the highest concurrency; requests/s at least stock's at every concurrency for K <= 128 with
     vLLM's defaults on; TTFT p99 at the highest concurrency not above stock's."""
     top = max(c for _, c in rows)
-    pruned = [name for name in names if name.startswith("K=") and " " not in name]
-    small = [name for name in pruned if int(name.removeprefix("K=")) <= 128]
+    pruned = [name for name in names if name != STOCK.name and " --" not in name]
+    small = [name for name in pruned if int(name.rpartition("K=")[2]) <= 128]
     stock = {c: row for (name, c), row in rows.items() if name == STOCK.name}
     out = ["Targets (medians; defaults on unless the setting names a flag):", ""]
     for name in [name for name in names if (name, top) not in rows]:

@@ -189,15 +189,21 @@ def qwen3_vl_moe(path: str | Path) -> Path:
         },
         video=lambda low, high: Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high}),
     )
-    file = path / "model.safetensors"
-    weights = load_file(file)
-    experts = {name for name in weights if ".mlp.experts." in name}
-    released = {
-        name: value.transpose(1, 2).contiguous() if name in experts else value
-        for name, value in weights.items()
-    }
-    save_file(released, file, metadata={"format": "pt"})
+    store_experts_as_released(path)
     return path
+
+
+def store_experts_as_released(path: Path) -> None:
+    """Rewrite the MoE experts of the checkpoint at ``path`` from transformers' saved [E, 2I, D] /
+    [E, D, I] to the released checkpoints' [E, D, 2I] / [E, I, D], which vLLM reads (transformers
+    transposes them on load)."""
+    for file in sorted(path.glob("*.safetensors")):
+        weights = load_file(file)
+        released = {
+            name: value.transpose(1, 2).contiguous() if ".mlp.experts." in name else value
+            for name, value in weights.items()
+        }
+        save_file(released, file, metadata={"format": "pt"})
 
 
 # half of each 32-wide head rotates: 8 frequencies, split 2 (temporal) + 3 (height) + 3 (width)

@@ -4,6 +4,7 @@ read them, and the targets' verdicts."""
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from benchmarks import qwen3_vl_layout
 from benchmarks import vllm_bench_serve as bench
-from benchmarks.vllm_bench_serve import FAMILIES, Cell, Row
+from benchmarks.vllm_bench_serve import FAMILIES, Cell, Family, Row
 from priortr.adapters.qwen3_vl import deepstack_layers
 from priortr.engine.config import check_injection
 from priortr.integrations.vllm.settings import engine_config
@@ -127,6 +128,13 @@ def test_bench_arguments_are_vllms():
     assert qwen.extra_body == {"mm_processor_kwargs": {"priortr": {"budget": 64}}}
 
 
+def run_args(family: Family, tp: int = 1, methods: tuple[str, ...] = ()) -> Namespace:
+    """The benchmark's command line as ``main`` holds it after parsing (at ``--layer`` 2)."""
+    return Namespace(
+        family=family, layer=2, budgets=list(bench.BUDGETS), methods=list(methods), tensor_parallel_size=tp
+    )
+
+
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES)
 def test_server_arguments_are_vllms(family):
     """vLLM's server parser reads every server's arguments: the same cache and block size for stock
@@ -134,20 +142,44 @@ def test_server_arguments_are_vllms(family):
     parser = make_arg_parser(FlexibleArgumentParser())
     blocks = bench.cache_blocks(family, 8)
     stock, pruned = (
-        parser.parse_args(bench.server_argv(server, family, Path("/m"), Path("/t.jinja"), blocks, 2, 8000))
+        parser.parse_args(
+            bench.server_argv(server, run_args(family), Path("/m"), Path("/t.jinja"), blocks, 8000)
+        )
         for server in (bench.STOCK, bench.PRIORTR)
     )
     for args in (stock, pruned):
         assert (args.num_gpu_blocks_override, args.block_size, args.max_model_len) == (169, 32, 1024)
         assert (args.model, args.chat_template, args.port) == ("/m", "/t.jinja", 8000)
+        assert args.tensor_parallel_size == 1
     assert stock.hf_overrides in (None, {})
     assert pruned.hf_overrides == {
         "priortr": {"method": "priortr", "budget": 64, "layer": 2, "request_budgets": [192, 128, 64]}
     }
     assert (stock.trust_request_mm_kwargs, pruned.trust_request_mm_kwargs) == (False, True)
-    limits = {"image": 1, "video": 0} if family is QWEN3_VL else None
+    limits = None if family is LLAVA else {"image": 1, "video": 0}
     assert stock.limit_mm_per_prompt == pruned.limit_mm_per_prompt
     assert (stock.limit_mm_per_prompt or None) == limits
+
+
+def test_method_servers_serve_the_engines_budget_alone():
+    """A ``--methods`` server starts with its method at K = 64 (its own layers; ``stages`` at
+    ``--layer`` and two deeper) and grants requests nothing; ``--tensor-parallel-size`` reaches every
+    server; the plan puts the method servers beside stock and priortr, each warmed up without a budget."""
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = run_args(LLAVA, tp=2, methods=("clse", "visionzip", "stages"))
+    read = {
+        method: parser.parse_args(
+            bench.server_argv(bench.method_server(method), args, Path("/m"), Path("/t"), 169, 8000)
+        )
+        for method in args.methods
+    }
+    assert read["clse"].hf_overrides == {"priortr": {"method": "clse", "budget": 64}}
+    assert read["visionzip"].hf_overrides == {"priortr": {"method": "visionzip", "budget": 64}}
+    assert read["stages"].hf_overrides == {"priortr": {"method": "priortr", "stages": [[2, 128], [4, 64]]}}
+    assert all(not r.trust_request_mm_kwargs and r.tensor_parallel_size == 2 for r in read.values())
+    plan = bench.phases(defaults_off=False, budgets=(64,), methods=("clse",))
+    assert [s.name for s in plan[0].settings] == ["stock", "K=64", "clse K=64"]
+    assert bench.warmup_budgets(plan, bench.method_server("clse")) == [None]
 
 
 def test_decoding_at_once_by_hand():
@@ -191,13 +223,18 @@ def test_targets_met_and_missed():
         ("K=64", 1): Row.of([cell("K=64", 1, 1.6, 70, 1)], holds=36.0),
         ("K=64", 64): Row.of([cell("K=64", 64, 4.0, 500, 36)], holds=36.0),
     }
-    lines = bench.targets(rows, ["stock", "K=128", "K=64"])
+    rows |= {
+        ("clse K=64", 1): Row.of([cell("clse K=64", 1, 0.9, 70, 1)], holds=36.0),
+        ("clse K=64", 64): Row.of([cell("clse K=64", 64, 3.0, 600, 36)], holds=36.0),
+    }
+    lines = bench.targets(rows, ["stock", "K=128", "K=64", "clse K=64"])
     assert "- requests decoding at once at C=64, stock: 1.00 of the limit: met" in lines
     assert "- requests decoding at once at C=64, K=128: 0.80 of the limit: MISSED" in lines
     assert "- requests/s vs stock at every C, K=128: 1.50x, 0.95x: MISSED" in lines
     assert "- requests/s vs stock at every C, K=64: 1.60x, 2.00x: met" in lines
     assert "- TTFT p99 at C=64, K=128: 950 ms vs stock 900 ms: MISSED" in lines
     assert "- TTFT p99 at C=64, K=64: 500 ms vs stock 900 ms: met" in lines
+    assert "- requests/s vs stock at every C, clse K=64: 0.90x, 1.50x: MISSED" in lines
 
 
 def test_warmup_covers_every_budget_a_server_is_asked_for():
@@ -208,3 +245,13 @@ def test_warmup_covers_every_budget_a_server_is_asked_for():
     assert bench.warmup_budgets(plan, bench.PRIORTR) == [192, 128, 64]
     assert [bench.warmup_budgets(plan, off) for off in bench.DEFAULTS_OFF] == [[64]] * 3
     assert bench.warmup_budgets(bench.phases(defaults_off=False), bench.DEFAULTS_OFF[0]) == []
+
+
+def test_moe_layout_routes_as_qwen3_vl_30b_a3b():
+    """The MoE layout: Qwen3-VL's text model with a sparse MoE block in every decoder layer, top-8
+    routing and experts 768 / 2048 of the width wide, as Qwen3-VL-30B-A3B; the dense layout has none."""
+    text = qwen3_vl_layout.qwen3_vl_config(hidden=512, layers=8, moe=True).text_config
+    assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (32, 8, 192)
+    assert (text.decoder_sparse_step, text.mlp_only_layers) == (1, [])
+    assert not hasattr(qwen3_vl_layout.qwen3_vl_config(hidden=512, layers=8).text_config, "num_experts")
+    assert FAMILIES["qwen3-vl-moe"].layer == QWEN3_VL.layer
