@@ -15,6 +15,7 @@ about their own image, and the engine must go on serving.
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 
 from priortr.integrations.vllm import processor
@@ -150,6 +151,34 @@ def test_identity_without_the_grid_is_caught(qwen, qwen_dir, monkeypatch):
     first, second = uuid_answers(qwen, GRIDS, ["no grid", "no grid"])
     assert first == hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[0]], QWEN, ANSWER_TOKENS)
     assert second != hf_tokens(qwen_dir, QWEN_PROMPT, [GRIDS[1]], QWEN, ANSWER_TOKENS)
+
+
+class Field:
+    """A processed item's field as ``encoder_shapes`` reads it (vLLM's ``MultiModalFieldElem.data``)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+
+def test_identity_digests_integer_fields_whatever_their_size():
+    """A Qwen3-VL image of 768 x 768 pixels is processed into 2304 x 1536 uint8 patch values: its
+    identity stays a few digests long (it was the values written out, 3.5 M numbers, about 1 s a
+    request on this CPU), while the grid's values and the fields' shapes and dtypes still tell items
+    apart."""
+    pixels = torch.randint(0, 256, (2304, 1536), dtype=torch.uint8)
+    item = {"pixel_values": Field(pixels), "image_grid_thw": Field(torch.tensor([[1, 48, 48]]))}
+    identity = processor.encoder_shapes(item)
+    assert len(identity) < 200
+    assert identity == processor.encoder_shapes({key: Field(f.data.clone()) for key, f in item.items()})
+    others = [
+        {**item, "image_grid_thw": Field(torch.tensor([[1, 24, 96]]))},  # the same N, another grid
+        {**item, "pixel_values": Field(pixels.to(torch.int16))},
+        {**item, "pixel_values": Field(pixels[:1152])},
+        {**item, "pixel_values": Field(torch.roll(pixels, 1, 0))},
+    ]
+    assert len({identity, *(processor.encoder_shapes(other) for other in others)}) == 5
+    floats = {"pixel_values": Field(torch.rand(4, 3))}
+    assert processor.encoder_shapes(floats) == "pixel_values[4x3]torch.float32"  # floats: shape alone
 
 
 def test_prompt_too_long_whole_is_refused_alone(qwen, qwen_dir):

@@ -15,6 +15,7 @@ request carries to the scheduler and the model (the short prompt, a record on ea
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -136,16 +137,19 @@ def check_pixels(items: MultiModalDataItems) -> None:
 
 def encoder_shapes(item: MultiModalKwargsItem) -> str:
     """What of an image's processed item, besides its pixels' values, fixes its encoder output's N and
-    grid: every tensor field's shape, and the values of its integer fields (Qwen's ``image_grid_thw``,
-    AnyRes ``image_sizes``, InternVL's ``image_num_patches``; Mistral 3's grid is its pixels' shape)."""
+    grid: every tensor field's shape and dtype, and a digest of the values of its integer fields (Qwen's
+    ``image_grid_thw``, AnyRes ``image_sizes``, InternVL's ``image_num_patches``; Mistral 3's grid is its
+    pixels' shape). A digest, not the values written out: a processor may hand integer pixels (Qwen3-VL's
+    uint8 patches, 3.5 M values per 768 x 768 image), whose text took about 1 s a request."""
     parts = []
     for key in sorted(item):
         data = item[key].data
         if not isinstance(data, torch.Tensor):
             continue
-        entry = f"{key}[{'x'.join(str(size) for size in data.shape)}]"
+        entry = f"{key}[{'x'.join(str(size) for size in data.shape)}]{data.dtype}"
         if not data.is_floating_point():
-            entry += "=" + ",".join(str(value) for value in data.flatten().tolist())
+            values = data.detach().cpu().contiguous().numpy().tobytes()
+            entry += "=" + hashlib.blake2b(values, digest_size=16).hexdigest()
         parts.append(entry)
     return ";".join(parts)
 
