@@ -3,8 +3,9 @@ measured with vLLM's own serving benchmark (``vllm bench serve``) at concurrency
 (issue 37, item 5; docs/benchmarks.md, Serving with vLLM's own benchmark).
 
     PYTHONPATH=$PWD/src .venv-vllm/bin/python benchmarks/vllm_bench_serve.py [--quick]
-        [--family llava-1.5|qwen3-vl] [--hidden 512] [--layers 8] [--layer L] [--cache-requests 8]
-        [--concurrencies 1 4 16 64] [--repeat 16] [--no-defaults-off] [--out DIR]
+        [--family llava-1.5|qwen3-vl|qwen3-vl-moe] [--hidden 512] [--layers 8] [--layer L]
+        [--cache-requests 8] [--concurrencies 1 4 16 64] [--repeat 16] [--no-defaults-off]
+        [--budgets 192 128 64] [--methods clse visionzip ...] [--tensor-parallel-size 1] [--out DIR]
 
 The model is one family's random-weight layout (``FAMILIES``) at ``--hidden`` / ``--layers``:
 ``llava-1.5`` (the default), ``vllm_serving.py``'s LLaVA-1.5-7B layout (576 visual tokens per 336 x 336
@@ -23,6 +24,12 @@ end of their answers, so that stock is KV-bound at the higher concurrencies) and
   ``--trust-request-mm-kwargs``);
 * at K = 64 with one default turned off: ``--enforce-eager``, ``--no-enable-chunked-prefill``,
   ``--no-enable-prefix-caching``.
+* ``--methods``: one more server per method (``METHODS``: CLSE, PyramidDrop, a ``stages`` schedule
+  of PriorTR, VisionZip, VisPruner, DivPrune) serving the engine's K = 64 to every request, with the
+  method's own default layers (multi-stage methods take no request budgets);
+
+``--tensor-parallel-size`` runs every server over that many ranks (processes on the CPU build), and
+``qwen3-vl-moe`` is the Qwen3-VL layout with MoE MLPs (``qwen3_vl_layout.build_qwen3_vl_moe_checkpoint``).
 
 A cell (a setting at a concurrency C) is one run of vLLM's benchmark, called as ``vllm bench serve``
 calls it (``vllm.benchmarks.serve``): its ``random-mm`` dataset (per request one distinct random
