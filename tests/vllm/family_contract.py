@@ -279,6 +279,15 @@ def answers(outs: list) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in outs]
 
 
+def check_step(llm: LLM, family: Family, path: Path) -> None:
+    """``step_cases`` in one step of ``llm``: the served prompt lengths are the row's (they show which
+    prompts were pruned) and every answer is ``apply``'s."""
+    cases = step_cases(family)
+    outs = generate(llm, cases)
+    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
+    assert answers(outs) == [expected(family, path, case) for case in cases]
+
+
 def serve(llm: LLM, cases: list[tuple], arrivals: dict[int, list[int]]) -> dict[int, list[int]]:
     """``cases`` (by index) arriving at the steps ``arrivals`` names; each one's answer."""
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)

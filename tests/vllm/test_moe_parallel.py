@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm import LLM
 
-from tests.vllm.family_contract import FAMILIES, answers, expected, step_cases
+from tests.vllm.family_contract import FAMILIES, answers, check_step, expected, step_cases
 from tests.vllm.harness import generate, ranked_engine
-from tests.vllm.reference import ENGINE
 
 
 @pytest.fixture(scope="module")
 def moe_tp_llm(qwen3_vl_moe_dir):
+    """Two tensor-parallel ranks, eager."""
     family = FAMILIES["qwen3-vl-moe"]
-    engine = LLM(
-        model=str(qwen3_vl_moe_dir),
-        hf_overrides=family.overrides(),
-        limit_mm_per_prompt=family.limits,
-        **{**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-    )
+    engine = ranked_engine(qwen3_vl_moe_dir, family, tensor_parallel_size=2, enforce_eager=True)
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -64,22 +58,14 @@ def test_moe_tensor_parallel_2_is_exact(moe_tp_llm, qwen3_vl_moe_dir):
     layers 0..L, then the step's rows), each reduced across the ranks. One step holds pruned prompts
     (one image, two images sharing the budget, a wider per-request budget), an image request that
     prunes nothing and a text-only one; the served prompt lengths show which were pruned."""
-    family = FAMILIES["qwen3-vl-moe"]
-    cases = step_cases(family)
-    outs = generate(moe_tp_llm, cases)
-    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-    assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
+    check_step(moe_tp_llm, FAMILIES["qwen3-vl-moe"], qwen3_vl_moe_dir)
 
 
 def test_moe_pipeline_parallel_2_is_exact(moe_pp_llm, qwen3_vl_moe_dir):
     """Qwen3-VL MoE over two pipeline stages: the first embeds, scores and cuts, and sends the kept
     tokens' original positions beside the hidden states (``pipeline.py``); the second runs layers 2-3
     at them. The step of ``test_moe_tensor_parallel_2_is_exact``, against priortr.apply."""
-    family = FAMILIES["qwen3-vl-moe"]
-    cases = step_cases(family)
-    outs = generate(moe_pp_llm, cases)
-    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-    assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
+    check_step(moe_pp_llm, FAMILIES["qwen3-vl-moe"], qwen3_vl_moe_dir)
 
 
 def test_moe_pipeline_stage_at_scheduled_positions_is_caught(moe_pp_llm, qwen3_vl_moe_dir):
@@ -115,8 +101,4 @@ class TestPipelineByTensor:
         head; the first stage's ranks plan and cut alike, and each hands its rows to the second stage
         with the kept tokens' positions. The step of ``test_moe_tensor_parallel_2_is_exact``, against
         priortr.apply."""
-        family = FAMILIES["qwen3-vl-moe"]
-        cases = step_cases(family)
-        outs = generate(moe_pp_tp_llm, cases)
-        assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-        assert answers(outs) == [expected(family, qwen3_vl_moe_dir, case) for case in cases]
+        check_step(moe_pp_tp_llm, FAMILIES["qwen3-vl-moe"], qwen3_vl_moe_dir)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.family_contract import FAMILIES, answers, expected, step_cases
-from tests.vllm.harness import generate, ranked_engine
+from tests.vllm.family_contract import FAMILIES, check_step
+from tests.vllm.harness import ranked_engine
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,4 @@ def test_pipeline_parallel_2_is_exact(pipeline):
     request that prunes nothing and a text-only one, over two stages; the served prompt lengths show
     which were pruned."""
     family, path, engine = pipeline
-    cases = step_cases(family)
-    outs = generate(engine, cases)
-    assert [len(out.prompt_token_ids) for out in outs] == list(family.lengths)
-    assert answers(outs) == [expected(family, path, case) for case in cases]
+    check_step(engine, family, path)

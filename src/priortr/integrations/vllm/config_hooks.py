@@ -304,10 +304,10 @@ class DeepStackConfigHook(PruningConfigHook):
 
 class UnservedFamilyHook(SettingsGuard):
     """An architecture the plug-in does not serve (``architectures.UNSERVED``, or any other vLLM knows,
-    with ``reason``): vLLM
-    would build its own class and never read the ``priortr`` settings, serving the model unpruned, so a
-    config carrying them is refused when the engine starts. vLLM's own hook for the architecture
-    (``previous``) runs as before; a config without ``priortr`` settings is untouched."""
+    with ``reason``): vLLM would build its own class and never read the ``priortr`` settings, serving
+    the model unpruned, so a config carrying them is refused when the engine starts. vLLM's own hook
+    for the architecture (``previous``) runs as before; a config without ``priortr`` settings is
+    untouched."""
 
     reason: str
 
