@@ -9,13 +9,16 @@
 #   bash scripts/setup.sh --floor    .venv-floor: the oldest supported transformers (constraints/floor.txt),
 #                                    for the engine, families and methods suites (scripts/test.sh --floor);
 #                                    with --latest, everything but transformers resolves afresh
-#   bash scripts/setup.sh --torch-floor    .venv-torch-floor: the oldest supported torch (2.11.0, the
-#                                    accelerator image's; its Linux wheel is a CUDA build, which runs on CPU)
+#   bash scripts/setup.sh --torch-floor    .venv-torch-floor: the floor of both ranges, the oldest supported
+#                                    torch (2.11.0; its Linux wheel is a CUDA build, which runs on CPU) with
+#                                    the oldest supported transformers (5.17.0): the accelerator image's pair;
+#                                    the other packages as constraints/floor.txt has them
 #   bash scripts/setup.sh --torch-newest   .venv-torch-newest: the newest torch release (2.15.0, with
-#                                    torchvision 0.29.2, released with it and the newest that admits it)
+#                                    torchvision 0.29.2, released with it and the newest that admits it), on
+#                                    transformers as constraints/tested.txt has it
 #                                    both for the engine, families and methods suites (scripts/test.sh
-#                                    --torch-floor / --torch-newest), on transformers as the lock has it (or
-#                                    as pip resolves it, with --latest)
+#                                    --torch-floor / --torch-newest); with --latest, everything but torch
+#                                    (and, for --torch-floor, transformers) resolves afresh
 #
 # torch is pinned to 2.13.0 elsewhere, so that pip takes the local CPU wheel on the project's machines
 # instead of pulling CUDA packages.
@@ -32,18 +35,22 @@ for arg in "$@"; do
   esac
 done
 if [ -n "$torch_range" ]; then
-  # The ends of the supported torch range (pyproject.toml): the core suites' packages, the tested lock
-  # without its torch line.
+  # The ends of the supported torch range (pyproject.toml): the core suites' packages, a lock without its
+  # torch line (the floor's for the oldest torch, which also takes the oldest transformers).
   venv=".venv-torch-$torch_range"
-  torch_pins=("torch==2.11.0")
-  [ "$torch_range" = newest ] && torch_pins=("torch==2.15.0" "torchvision==0.29.2")
+  lock=constraints/floor.txt
+  torch_pins=("torch==2.11.0" "$(grep "^transformers==" constraints/floor.txt)")
+  if [ "$torch_range" = newest ]; then
+    lock=constraints/tested.txt
+    torch_pins=("torch==2.15.0" "torchvision==0.29.2")
+  fi
   rm -rf "$venv"
   python3 -m venv "$venv"
   pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
   "${pip[@]}" install --upgrade pip
   constraints=()
   if [ "$latest" = 0 ]; then
-    grep -v '^torch==' constraints/tested.txt > "$venv/lock.txt"
+    grep -v '^torch==' "$lock" > "$venv/lock.txt"
     constraints=(-c "$venv/lock.txt")
   fi
   # No cache: torch 2.11's CUDA wheels are GBs that would stay in pip's cache after the venv is gone.

@@ -1,6 +1,6 @@
 """The transformers contract is resolved from the installed release, and anything else is refused loudly.
 
-Runs at both ends of the supported range (``scripts/test.sh`` and ``scripts/test.sh --floor``): the
+Runs at both ends of the supported range (``scripts/test.sh`` and ``scripts/test.sh --torch-floor``): the
 names found must be the ones that release uses, a caller may pass the cache by its deprecated name, and a
 model whose forwards match no known contract is refused by ``apply()`` with the release found and the
 supported range, never run unpruned or left to fail at decode.
@@ -54,12 +54,14 @@ def test_the_floor_is_declared_once():
 
 def test_the_declared_torch_range_is_the_tested_one():
     """pyproject's torch range admits the releases scripts/setup.sh tests at its ends (--torch-floor,
-    --torch-newest) and, for the floor, nothing older; the suite itself runs on one inside it."""
+    --torch-newest) and, for the floor, nothing older; the oldest torch is tested with the oldest
+    transformers (the floor lock's); the suite itself runs on one inside the range."""
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     declared = next(dep.split("#")[0].strip() for dep in dependencies if re.match(r"torch\b", dep))
     floor, below = re.search(r">=([\d.]+),<([\d.]+)", declared).groups()
     setup = (ROOT / "scripts/setup.sh").read_text()
-    tested_floor = re.search(r'torch_pins=\("torch==([\d.]+)"\)', setup).group(1)
+    floor_pins = r'torch_pins=\("torch==([\d.]+)" "\$\(grep "\^transformers==" constraints/floor\.txt\)"\)'
+    tested_floor = re.search(floor_pins, setup).group(1)
     tested_newest = re.search(r'torch_pins=\("torch==([\d.]+)" "torchvision', setup).group(1)
     assert Version(tested_floor) == Version(floor)
     assert Version(tested_floor) <= Version(tested_newest) < Version(below)
