@@ -400,16 +400,19 @@ class FamilyContract:
     family: ClassVar[str]
 
     @pytest.fixture(scope="class")
-    def row(self) -> Family:
-        return FAMILIES[self.family]
+    @classmethod
+    def row(cls) -> Family:
+        return FAMILIES[cls.family]
 
     @pytest.fixture(scope="class")
-    def path(self, row: Family, request: pytest.FixtureRequest) -> Path:
+    @classmethod
+    def path(cls, row: Family, request: pytest.FixtureRequest) -> Path:
         """The family's tiny checkpoint."""
         return request.getfixturevalue(row.fixture)
 
     @pytest.fixture(scope="class")
-    def llm(self, row: Family, path: Path) -> Any:
+    @classmethod
+    def llm(cls, row: Family, path: Path) -> Any:
         """The class's engine: the family's settings, two images per prompt."""
         engine = LLM(
             model=str(path),

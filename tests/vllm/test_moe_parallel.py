@@ -89,7 +89,8 @@ class TestPipelineByTensor:
     pytest-xdist's ``loadscope`` may run it beside the module's other engines."""
 
     @pytest.fixture(scope="class")
-    def moe_pp_tp_llm(self, qwen3_vl_moe_dir):
+    @classmethod
+    def moe_pp_tp_llm(cls, qwen3_vl_moe_dir):
         """Two pipeline stages, each over two tensor-parallel ranks: four worker processes."""
         family = FAMILIES["qwen3-vl-moe"]
         engine = ranked_engine(qwen3_vl_moe_dir, family, pipeline_parallel_size=2, tensor_parallel_size=2)

@@ -74,9 +74,10 @@ class ServedSchedule:
     method: str
 
     @pytest.fixture(scope="class")
-    def served_case(self, request: pytest.FixtureRequest) -> Any:
+    @classmethod
+    def served_case(cls, request: pytest.FixtureRequest) -> Any:
         """(the family's row with the method's settings, its checkpoint, an engine serving them)."""
-        row = replace(FAMILIES[self.family], settings=SCHEDULES[self.method])
+        row = replace(FAMILIES[cls.family], settings=SCHEDULES[cls.method])
         path = request.getfixturevalue(row.fixture)
         llm = engine(row, path)
         yield row, path, llm

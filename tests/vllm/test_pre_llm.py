@@ -60,12 +60,14 @@ class PreLLMContract:
     row: Family
 
     @pytest.fixture(scope="class")
-    def path(self, request: pytest.FixtureRequest) -> Any:
-        return request.getfixturevalue(self.row.fixture)
+    @classmethod
+    def path(cls, request: pytest.FixtureRequest) -> Any:
+        return request.getfixturevalue(cls.row.fixture)
 
     @pytest.fixture(scope="class")
-    def llm(self, path: Any) -> Any:
-        served = engine(self.row, path)
+    @classmethod
+    def llm(cls, path: Any) -> Any:
+        served = engine(cls.row, path)
         yield served
         del served
 
