@@ -51,6 +51,52 @@ def ranked_engine(path: Any, family: Any, **parallel: Any) -> LLM:
     )
 
 
+_KEPT_POSITIONS: list[torch.Tensor] = []
+"""The positions vLLM's own model class received in this process since ``keep_positions``."""
+
+
+def keep_positions(worker: Any) -> None:
+    """Run in each worker (``collective_rpc``): keep every positions tensor the plug-in's model hands the
+    ``forward`` of vLLM's own class (its ``stock``; a step run outside it is not seen), alive, so that a
+    tensor made anew each step takes a new address."""
+    stock = type(worker.model_runner.model).stock
+    original = stock.forward
+
+    def kept(self: Any, input_ids: Any, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        _KEPT_POSITIONS.append(positions)
+        return original(self, input_ids, positions, *args, **kwargs)
+
+    kept.original = original
+    stock.forward = kept
+
+
+def kept_positions(worker: Any) -> list[tuple[int, tuple[int, ...]]]:
+    """Run in each worker after ``keep_positions``: undo it; each kept tensor's (address, strides)."""
+    stock = type(worker.model_runner.model).stock
+    stock.forward = stock.forward.original
+    seen = [(positions.data_ptr(), positions.stride()) for positions in _KEPT_POSITIONS]
+    _KEPT_POSITIONS.clear()
+    return seen
+
+
+def check_positions_stay_put(llm: LLM, cases: list[tuple]) -> None:
+    """What vLLM's CUDA graphs need of the positions a step's layers run at, checked where no graph is
+    captured: a graph replays the addresses it captured, and vLLM keeps a step's inputs in persistent
+    buffers for it (Model Runner V2: ``vllm/v1/worker/gpu/cudagraph_utils.py:749-761``, vLLM 0.34), so
+    on every rank, every positions tensor vLLM's own model class receives while ``llm`` answers
+    ``cases`` lies at one address, each channel a contiguous row (vLLM's rotary op reads it as
+    contiguous memory)."""
+    llm.collective_rpc(keep_positions)
+    try:
+        generate(llm, cases)
+    finally:
+        seen_by_rank = llm.collective_rpc(kept_positions)
+    for seen in seen_by_rank:
+        assert len(seen) >= ANSWER_TOKENS - 1, "the decode steps ran outside vLLM's own forward"
+        assert len({address for address, _ in seen}) == 1, "positions at another address in some step"
+        assert {strides[-1] for _, strides in seen} == {1}, "a channel of the positions is not contiguous"
+
+
 def generate(llm: Any, cases: list[tuple], tokens: int = ANSWER_TOKENS) -> list:
     """vLLM's greedy answers of exactly ``tokens`` tokens to ``cases``, each (prompt, images, the
     request's ``priortr`` setting or None) as ``reference.vllm_request`` takes them."""

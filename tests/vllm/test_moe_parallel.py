@@ -38,8 +38,8 @@ def _stages_use_own_positions(worker: object) -> None:
     traced with the sent one and run by vLLM without guards, changed every answer, text-only ones too."""
     from priortr.integrations.vllm import models, pipeline
 
-    def own(intermediate_tensors: object, positions: torch.Tensor) -> torch.Tensor:
-        sent = pipeline.received_positions(intermediate_tensors, positions)
+    def own(intermediate_tensors: object, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        sent = pipeline.received_positions(intermediate_tensors, positions, rows)
         return sent if sent is positions else sent.copy_(positions)
 
     models.received_positions = own

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.family_contract import FAMILIES, check_step
-from tests.vllm.harness import ranked_engine
+from tests.vllm.family_contract import FAMILIES, check_step, step_cases
+from tests.vllm.harness import check_positions_stay_put, ranked_engine
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +29,11 @@ def test_pipeline_parallel_2_is_exact(pipeline):
     which were pruned."""
     family, path, engine = pipeline
     check_step(engine, family, path)
+
+
+def test_every_stage_runs_at_positions_that_stay_put(pipeline):
+    """The second stage copies the positions the first sends into a buffer of its own, laid out as
+    vLLM's: a transposed view of the sent rows (stride 3) was read by vLLM's rotary op as other tokens'
+    positions, and a copy made anew each step would leave a CUDA graph replaying a freed address."""
+    family, _, engine = pipeline
+    check_positions_stay_put(engine, step_cases(family))

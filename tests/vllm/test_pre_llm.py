@@ -31,7 +31,7 @@ from tests.vllm.family_contract import (
     serve,
     step_cases,
 )
-from tests.vllm.harness import ANSWER_TOKENS, generate
+from tests.vllm.harness import ANSWER_TOKENS, check_positions_stay_put, generate
 from tests.vllm.reference import ENGINE, hf_tokens
 
 LLAVA_METHODS = {
@@ -92,6 +92,12 @@ class PreLLMContract:
         monkeypatch.setattr(models, "shorten_prompts", unwritten)
         case = step_cases(self.row)[1]
         assert answers(generate(llm, [case])) != [expected(self.row, path, case)]
+
+    def test_survivors_positions_are_written_where_vllm_reads_them(self, llm):
+        """The survivors' positions go into the runner's own positions buffer, as their embeddings go
+        into its ``inputs_embeds``: on a GPU the step replays piecewise CUDA graphs, which read the
+        addresses they captured, so a copy would leave the survivors at their placeholders' positions."""
+        check_positions_stay_put(llm, step_cases(self.row))
 
     def test_pruned_prompts_stay_exact_when_padded(self, llm, path, monkeypatch):
         """Every step padded to a CUDA-graph size, as vLLM 0.34 pads it on a Hopper GPU (the CPU build

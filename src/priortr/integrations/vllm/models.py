@@ -36,7 +36,7 @@ from priortr.adapters import adapter_for_type
 from priortr.engine.config import check_grids
 from priortr.engine.front_door import last_stage
 from priortr.integrations.vllm.decoder import TextModel
-from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions
+from priortr.integrations.vllm.pipeline import empty_tensors, handed_on, received_positions, sent_rows
 from priortr.integrations.vllm.positions import FamilyLayout, ImageSlots, linear_positions, request_positions
 from priortr.integrations.vllm.pre_llm import shorten_prompts
 from priortr.integrations.vllm.request_records import (
@@ -97,6 +97,7 @@ class PruningModel:
             text=TextModel(self, max(last_stage(config, hf_config.get_text_config().num_hidden_layers), 0)),
         )
         self.make_empty_intermediate_tensors = empty_tensors(self.make_empty_intermediate_tensors)
+        self._sent_positions = sent_rows(vllm_config)  # a later pipeline stage's; None on the first
         self._taps = TowerTaps.of(self, config, adapter.name)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
@@ -188,7 +189,7 @@ class PruningModel:
         **kwargs: object,
     ) -> Any:
         step, self._step = self._step, None
-        positions = received_positions(intermediate_tensors, positions)  # a later stage: the sent ones
+        positions = received_positions(intermediate_tensors, positions, self._sent_positions)
         if step is None:
             rope = self.layout.layer_positions(positions)
             output = super().forward(input_ids, rope, intermediate_tensors, inputs_embeds, **kwargs)

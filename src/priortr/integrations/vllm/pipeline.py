@@ -13,7 +13,8 @@ step, so it never plans one; it needs nothing else.
 The runners copy every tensor the model's ``make_empty_intermediate_tensors`` names into buffers of its
 shapes and slice them by rows (vLLM 0.32 V1: ``vllm/v1/worker/gpu_model_runner.py:3168-3185``; Model
 Runner V2: ``vllm/v1/worker/gpu/model_runner.py:1974-1983``), so the positions travel row-major,
-[T, 3] of int64.
+[T, 3] of int64; a later stage copies them into a [3, T] buffer of its own (``sent_rows``), laid out
+as vLLM lays out its positions.
 """
 
 from __future__ import annotations
@@ -42,21 +43,43 @@ def empty_tensors(stock: Callable[..., IntermediateTensors]) -> Callable[..., In
     return make
 
 
+def sent_rows(vllm_config: Any) -> torch.Tensor | None:
+    """A later stage's buffer for the positions the previous stage sends, [3, M] int64 on the stage's
+    device (M: ``max_num_batched_tokens``, the most rows a step holds, as vLLM sizes its own positions
+    buffers); None on the first stage, which computes its own. One buffer for every step, so that the
+    stage's layers see the sent positions as they see vLLM's own: each channel a contiguous row (vLLM's
+    rotary op reads its positions as contiguous memory, CPU and CUDA alike: ``rotary_embedding/base.py``,
+    ``forward_cpu``, ``forward_cuda``) at one address every step (a CUDA graph replays the addresses it
+    captured: vLLM keeps a later stage's inputs in persistent buffers for it, Model Runner V2:
+    ``vllm/v1/worker/gpu/model_runner.py:2094-2104``, ``cudagraph_utils.py:749-761``, vLLM 0.34)."""
+    if get_pp_group().is_first_rank:
+        return None
+    rows = vllm_config.scheduler_config.max_num_batched_tokens
+    return torch.zeros(CHANNELS, rows, dtype=torch.long, device=vllm_config.device_config.device)
+
+
 def received_positions(
-    intermediate_tensors: IntermediateTensors | None, positions: torch.Tensor
+    intermediate_tensors: IntermediateTensors | None, positions: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
     """The positions [3, T] a stage runs its layers at: on a later stage, those the previous stage sent
-    (the kept tokens' original positions on a pruned prompt's rows); on the first, ``positions``."""
-    if get_pp_group().is_first_rank:
+    (the kept tokens' original positions on a pruned prompt's rows), copied into the stage's buffer
+    ``rows`` (``sent_rows``); on the first (``rows`` None), ``positions``. A transposed view of the sent
+    rows instead would hand a 1-D RoPE family's layers channel 0 at stride 3, which vLLM's rotary op
+    reads as other tokens' positions (LLaVA over two stages answered wrong on every request, text-only
+    ones too, wherever vLLM's custom ops run: eager, or compiled on the eager backend)."""
+    if rows is None:
         return positions
     if intermediate_tensors is None:
         raise RuntimeError("priortr: a later pipeline stage was called without the previous stage's rows")
-    # Contiguous: a 1-D RoPE family's layers take channel 0, which in the transposed rows is a view of
-    # stride 3, and vLLM's rotary op reads its positions as contiguous memory (CPU and CUDA alike,
-    # ``rotary_embedding/base.py``: ``forward_cpu``, ``forward_cuda``), so every token past the first
-    # would be rotated at another token's position wherever custom ops run (eager, or compiled with the
-    # eager backend).
-    return intermediate_tensors[POSITIONS][: positions.shape[-1]].T.contiguous().to(positions.dtype)
+    count = positions.shape[-1]
+    if count > rows.shape[1]:
+        raise RuntimeError(
+            f"priortr: a step of {count} rows on a later pipeline stage, past max_num_batched_tokens "
+            f"({rows.shape[1]}), which sizes the stage's buffer of sent positions"
+        )
+    stage = rows[:, :count]
+    stage.copy_(intermediate_tensors[POSITIONS][:count].T)
+    return stage
 
 
 def handed_on(output: Any, positions: torch.Tensor) -> Any:

@@ -32,9 +32,12 @@ def shorten_prompts(
 ) -> torch.Tensor:
     """The step's positions [3, T] with every pruned prompt's rows holding its survivors' original
     positions; their embeddings are written into ``inputs_embeds`` [T', D] (T' >= T, the runner's
-    padded buffer: its own rows, rewritten in place, as the runner rewrites them every step)."""
+    padded buffer). Both are the runner's own buffers, their rows rewritten in place, as the runner
+    rewrites them every step: vLLM's compiled language model runs as piecewise CUDA graphs on a GPU,
+    which read their inputs at the addresses they were captured with, the runner's buffers (a copy of
+    the positions would leave the survivors at their placeholders' positions). The plan is made from
+    a host copy first (``plan_step``), so no prompt reads rows another has rewritten."""
     prompts = plan_step(model, step, positions)
-    positions = positions.clone()
     for prompt in prompts:
         images = [image for image in step.images if prompt.start <= image.row < prompt.start + prompt.length]
         columns, embeddings = _survivors(model, taps, prompt, images, inputs_embeds)
