@@ -81,8 +81,9 @@ def kept_positions(worker: Any) -> list[tuple[int, tuple[int, ...]]]:
 
 def check_positions_stay_put(llm: LLM, cases: list[tuple]) -> None:
     """What vLLM's CUDA graphs need of the positions a step's layers run at, checked where no graph is
-    captured: a graph replays the addresses it captured, and vLLM keeps a step's inputs in persistent
-    buffers for it (Model Runner V2: ``vllm/v1/worker/gpu/cudagraph_utils.py:749-761``, vLLM 0.34), so
+    captured: a graph replays the addresses it captured (``vllm/compilation/cuda_graph.py:343-357``),
+    and vLLM keeps a step's inputs in persistent buffers for it (Model Runner V2:
+    ``vllm/v1/worker/gpu/cudagraph_utils.py:749-761``, vLLM 0.34), so
     on every rank, every positions tensor vLLM's own model class receives while ``llm`` answers
     ``cases`` lies at one address, each channel a contiguous row (vLLM's rotary op reads it as
     contiguous memory)."""

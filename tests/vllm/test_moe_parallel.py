@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.vllm.family_contract import FAMILIES, answers, check_step, expected, step_cases
-from tests.vllm.harness import generate, ranked_engine
+from tests.vllm.harness import check_positions_stay_put, generate, ranked_engine
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,12 @@ def test_moe_pipeline_stage_at_scheduled_positions_is_caught(moe_pp_llm, qwen3_v
         moe_pp_llm.collective_rpc(_stages_use_sent_positions)
     assert outs[0] != expected(family, qwen3_vl_moe_dir, pruned)
     assert outs[1] == expected(family, qwen3_vl_moe_dir, unpruned)
+
+
+def test_moe_stages_run_at_positions_that_stay_put(moe_pp_llm):
+    """M-RoPE's three position rows on both stages: at one address every step, each row contiguous,
+    as a CUDA graph replay needs (``test_pipeline_dense.py`` checks LLaVA's 1-D positions)."""
+    check_positions_stay_put(moe_pp_llm, step_cases(FAMILIES["qwen3-vl-moe"]))
 
 
 class TestPipelineByTensor:

@@ -50,8 +50,9 @@ def sent_rows(vllm_config: Any) -> torch.Tensor | None:
     stage's layers see the sent positions as they see vLLM's own: each channel a contiguous row (vLLM's
     rotary op reads its positions as contiguous memory, CPU and CUDA alike: ``rotary_embedding/base.py``,
     ``forward_cpu``, ``forward_cuda``) at one address every step (a CUDA graph replays the addresses it
-    captured: vLLM keeps a later stage's inputs in persistent buffers for it, Model Runner V2:
-    ``vllm/v1/worker/gpu/model_runner.py:2094-2104``, ``cudagraph_utils.py:749-761``, vLLM 0.34)."""
+    captured, ``vllm/compilation/cuda_graph.py:343-357``: vLLM keeps a later stage's inputs in
+    persistent buffers for it, Model Runner V2: ``vllm/v1/worker/gpu/model_runner.py:2094-2104``,
+    ``cudagraph_utils.py:749-761``, vLLM 0.34)."""
     if get_pp_group().is_first_rank:
         return None
     rows = vllm_config.scheduler_config.max_num_batched_tokens
